@@ -1,0 +1,33 @@
+# Two commands for a new user: `make demo` and `make test`. Both build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# A bare `torch` requirement may pull a multi-GB CUDA build: take the CPU wheel unless a torch is importable.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m benchmarks.gpt_budget --demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ''
+
+bench: setup
+	$(BIN)/python -m benchmarks.seed_fusion
+	$(BIN)/python -m benchmarks.gpt_budget
+
+clean:
+	rm -rf $(VENV) build *.egg-info

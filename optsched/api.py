@@ -1,0 +1,108 @@
+"""`optimize`: the public entry point."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .backend import PlanningBackend
+from .budget import parse_budget
+from .costs import DeviceProfile
+from .plan import Plan
+from .solvers import BudgetInfeasibleError
+
+DEFAULT_TIME_LIMIT_S = 5.0
+
+
+def _unwrap_errors(compiled: Callable) -> Callable:
+    """Dynamo wraps backend exceptions; surface ours (budget, bad input) as themselves."""
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, (BudgetInfeasibleError, ValueError)):
+                raise inner from None
+            raise
+
+    return call
+
+
+class OptimizedFunction:
+    """A planned function: call it like the original; `plan` is the plan of its latest compilation."""
+
+    def __init__(self, fn: Callable, compiled: Callable):
+        functools.update_wrapper(self, fn)
+        self._call = compiled
+        self.plan: Plan | None = None
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+
+def optimize(
+    fn_or_module: Callable | torch.nn.Module,
+    mem_budget: int | float | str | None = None,
+    *,
+    example_inputs: tuple | list | None = None,
+    device_profile: str | DeviceProfile | None = None,
+    time_limit_s: float | None = None,
+) -> Any:
+    """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
+
+    mem_budget: peak bytes of everything on the device during forward+backward
+    (parameters, buffers, inputs, activations, gradients, temporaries): an int of
+    bytes, a string with a unit ("12GB", "512MiB", "1.5 GiB"), a percentage of the
+    unplanned peak ("60%"), or None (fastest plan, lowest peak among the fastest).
+
+    A module comes back as a module of the same class that shares the original's
+    parameters, buffers and submodules. Planning happens at the first call, or at
+    once when `example_inputs` are given (one forward is run on them and discarded).
+    The plan is `result.plan`. A budget no plan can meet raises BudgetInfeasibleError.
+    """
+    budget = parse_budget(mem_budget)
+    if time_limit_s is None:
+        time_limit_s = DEFAULT_TIME_LIMIT_S
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    if not callable(fn_or_module):
+        raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
+
+    if isinstance(fn_or_module, torch.nn.Module):
+        target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
+        backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(target, p))
+        target.plan = None
+        compiled = torch.compile(target._call_impl, backend=backend, fullgraph=True, dynamic=False)
+        target._compiled_call_impl = _unwrap_errors(compiled)
+    else:
+        holder: dict[str, OptimizedFunction] = {}
+        backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(holder["f"], p))
+        compiled = torch.compile(fn_or_module, backend=backend, fullgraph=True, dynamic=False)
+        target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))
+
+    if example_inputs is not None:
+        _plan_now(target, tuple(example_inputs))
+    return target
+
+
+def _set_plan(target: Any, plan: Plan) -> None:
+    target.__dict__["plan"] = plan
+
+
+def _plan_now(target: Any, example_inputs: tuple) -> None:
+    """Compile (and so plan) by running one forward whose effects are undone."""
+    module = target if isinstance(target, torch.nn.Module) else None
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()} if module is not None else {}
+    with torch.random.fork_rng(devices=[]):
+        out = target(*example_inputs)
+    del out
+    if module is not None:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])

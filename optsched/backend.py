@@ -1,0 +1,87 @@
+"""The torch.compile backend: AOTAutograd hands us the graph, we plan it and return our programs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from .budget import Budget
+from .costs import DeviceProfile, get_profile
+from .joint_graph import build_joint_graph
+from .lowering import boxed, lower_inference, lower_training
+from .plan import Plan
+from .problem_builder import build_problem
+from .solvers import simulate, solve
+from .solvers.problem import default_schedule
+
+
+def _device_of(example_inputs) -> torch.device | None:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
+
+
+class PlanningBackend:
+    """One per optimized callable. Every (re)compilation plans its graph and reports the plan."""
+
+    def __init__(
+        self,
+        budget: Budget,
+        device_profile: str | DeviceProfile | None,
+        time_limit_s: float,
+        on_plan: Callable[[Plan], None],
+    ):
+        self.budget = budget
+        self.device_profile = device_profile
+        self.time_limit_s = time_limit_s
+        self.on_plan = on_plan
+        self.profile: DeviceProfile | None = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        self.profile = get_profile(self.device_profile, _device_of(example_inputs))
+        return aot_autograd(
+            fw_compiler=self._compile,
+            bw_compiler=self._compile,
+            inference_compiler=self._inference,
+            partition_fn=self._partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    @staticmethod
+    def _compile(gm: fx.GraphModule, example_inputs):
+        return boxed(gm)
+
+    def _plan(self, problem) -> Plan:
+        baseline = simulate(problem, default_schedule(problem))
+        budget_bytes = self.budget.resolve(baseline.peak_bytes)
+        sol = solve(problem, budget_bytes, time_limit_s=self.time_limit_s)
+        plan = Plan(
+            problem=problem,
+            schedule=sol.schedule,
+            sim=sol.sim,
+            baseline=sol.baseline,
+            stats=sol.stats,
+            budget_bytes=budget_bytes,
+            budget_spec=str(self.budget),
+            lower_bound_bytes=sol.lower_bound_bytes,
+            profile=self.profile,
+        )
+        self.on_plan(plan)
+        return plan
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        jg = build_joint_graph(joint, num_fwd_outputs)
+        built = build_problem(jg, self.profile, name="training step")
+        plan = self._plan(built.problem)
+        fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule)
+        return fw, bw
+
+    def _inference(self, gm: fx.GraphModule, example_inputs):
+        jg = build_joint_graph(gm, None)
+        built = build_problem(jg, self.profile, name="forward")
+        plan = self._plan(built.problem)
+        return boxed(lower_inference(jg, built.nodes, plan.schedule))

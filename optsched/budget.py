@@ -1,0 +1,69 @@
+"""Parse memory budgets: bytes, sizes with units, or a share of the unplanned peak."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_FORMS = (
+    "an int number of bytes (e.g. 2_000_000_000), a size string with a unit "
+    "(e.g. '12GB', '512MiB', '1.5 GiB'; KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2), "
+    "a percentage of the unplanned peak (e.g. '60%'), or None for no budget"
+)
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Either absolute bytes or a fraction of the unplanned program's peak (None: no budget)."""
+
+    spec: object
+    nbytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, unplanned_peak_bytes: int) -> int | None:
+        if self.fraction is not None:
+            return int(self.fraction * unplanned_peak_bytes)
+        return self.nbytes
+
+    def __str__(self) -> str:
+        return "none" if self.spec is None else str(self.spec)
+
+
+def parse_budget(spec: object) -> Budget:
+    """Parse `mem_budget`; raise ValueError naming the accepted forms."""
+    if spec is None:
+        return Budget(None)
+    if isinstance(spec, bool):
+        raise ValueError(f"mem_budget={spec!r} is not a budget; use {_FORMS}")
+    if isinstance(spec, int):
+        if spec <= 0:
+            raise ValueError(f"mem_budget must be positive, got {spec}; use {_FORMS}")
+        return Budget(spec, nbytes=spec)
+    if isinstance(spec, float):
+        if spec.is_integer() and spec > 0:
+            return Budget(spec, nbytes=int(spec))
+        raise ValueError(f"mem_budget={spec!r}: a number means bytes and must be a positive whole number; use {_FORMS}")
+    if isinstance(spec, str):
+        m = _PERCENT.match(spec)
+        if m:
+            pct = float(m.group(1))
+            if pct <= 0:
+                raise ValueError(f"mem_budget={spec!r} must be above 0%; use {_FORMS}")
+            return Budget(spec, fraction=pct / 100.0)
+        m = _SIZE.match(spec)
+        if m:
+            unit = m.group(2).lower() or "b"
+            if unit in _UNITS:
+                nbytes = int(float(m.group(1)) * _UNITS[unit])
+                if nbytes <= 0:
+                    raise ValueError(f"mem_budget={spec!r} must be at least one byte; use {_FORMS}")
+                return Budget(spec, nbytes=nbytes)
+            raise ValueError(f"mem_budget={spec!r}: unknown unit {m.group(2)!r}; use {_FORMS}")
+    raise ValueError(f"mem_budget={spec!r} is not a budget; use {_FORMS}")

@@ -1,0 +1,99 @@
+"""Roofline cost model: how long each op takes on a device profile.
+
+time = max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth) + launch overhead.
+The GPU profiles hold public spec-sheet numbers (dense, no sparsity); the CPU
+profile is a modest 2-core machine. Planning only needs shapes, so a CPU-only
+machine can plan for any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import flop_registry
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    device_type: str  # "cuda" or "cpu": where plans made for it can run
+    fp32_flops: float  # FLOP/s for float32 matmul-like ops
+    half_flops: float  # FLOP/s for bf16/fp16
+    mem_bw: float  # bytes/s, device memory
+    launch_s: float  # per kernel
+    host_bw: float  # bytes/s, host <-> device copies
+    memory_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in [
+        DeviceProfile("cpu", "cpu", 100e9, 50e9, 12e9, 4e-6, 12e9),
+        DeviceProfile("a100", "cuda", 19.5e12, 312e12, 2.039e12, 5e-6, 25e9, 80 * 10**9),
+        DeviceProfile("h100", "cuda", 67e12, 989e12, 3.35e12, 4e-6, 55e9, 80 * 10**9),
+        DeviceProfile("h200", "cuda", 67e12, 989e12, 4.8e12, 4e-6, 55e9, 141 * 10**9),
+    ]
+}
+
+
+def get_profile(profile: str | DeviceProfile | None, device: torch.device | None = None) -> DeviceProfile:
+    """Resolve a profile name (case-insensitive); None picks one for `device`."""
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if profile is None:
+        if device is not None and device.type == "cuda":
+            name = torch.cuda.get_device_name(device).lower()
+            profile = next((k for k in ("h200", "h100", "a100") if k in name), "h100")
+        else:
+            profile = "cpu"
+    key = str(profile).lower()
+    if key not in PROFILES:
+        raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[key]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for)."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    fn = flop_registry.get(packet) if packet is not None else None
+    if fn is None:
+        return 0
+    args = tree_map(_val, node.args)
+    kwargs = tree_map(_val, node.kwargs)
+    try:
+        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that does not accept this overload's arguments
+        return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes read plus bytes written, at tensor (not storage) granularity."""
+    read = sum(_nbytes(v) for v in tree_leaves(tree_map(_val, (node.args, node.kwargs))) if isinstance(v, torch.Tensor))
+    written = sum(_nbytes(v) for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+    return read + written
+
+
+def node_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """Roofline estimate for one unfused op."""
+    out = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    half = bool(out) and out[0].dtype in _HALF
+    flops = node_flops(node)
+    rate = profile.half_flops if half else profile.fp32_flops
+    return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s

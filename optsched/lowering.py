@@ -1,0 +1,170 @@
+"""Lower a schedule back into executable fx programs.
+
+Forward: primals -> (*forward outputs, *saved). Backward: (*saved, *tangents) ->
+gradients, with each recomputed op emitted where the schedule puts it (just
+before its first use). Both run in the planned order. fx frees every value right
+after its last use; the boxed calling convention (the callee receives the list of
+arguments and clears it) lets saved tensors die inside the backward too.
+
+Views allocate nothing, so they are not scheduled: each program re-emits a view
+where it is first needed, from whatever holds its base there.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
+
+from .joint_graph import JointGraph
+from .solvers.problem import Phase, Problem, Schedule
+
+try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+except ImportError:  # pragma: no cover
+    SavedForBackwardsAOTOutput = None
+
+
+class _Program:
+    """One fx graph under construction, resolving original nodes to new ones on demand."""
+
+    def __init__(self, jg: JointGraph, resolve_missing: Callable[[fx.Node], fx.Node]):
+        self.jg = jg
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.resolve_missing = resolve_missing
+
+    def placeholder(self, node: fx.Node) -> fx.Node:
+        new = self.graph.placeholder(node.name)
+        new.meta = dict(node.meta)
+        self.env[node] = new
+        return new
+
+    def value(self, node: fx.Node) -> fx.Node:
+        if node in self.env:
+            return self.env[node]
+        if self.jg.is_view(node):
+            for a in node.all_input_nodes:
+                self.value(a)
+            return self._copy(node)
+        if node.target is operator.getitem and node.args[0] in self.env:
+            return self._copy(node)
+        return self.resolve_missing(node)
+
+    def emit(self, node: fx.Node) -> None:
+        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items)."""
+        for a in node.all_input_nodes:
+            self.value(a)
+        self._copy(node)
+        for g in self.jg.getitems.get(node, []):
+            self._copy(g)
+
+    def _copy(self, node: fx.Node) -> fx.Node:
+        new = self.graph.node_copy(node, lambda a: self.value(a))
+        self.env[node] = new
+        return new
+
+    def output(self, values: list, descs: list | None) -> None:
+        out = self.graph.output(tuple(self.value(v) if isinstance(v, fx.Node) else v for v in values))
+        if descs is not None and len(descs) == len(values):
+            out.meta["desc"] = descs
+
+
+def _output_descs(jg: JointGraph) -> list:
+    (out,) = jg.gm.graph.find_nodes(op="output")
+    descs = out.meta.get("desc")
+    return list(descs) if isinstance(descs, (list, tuple)) else []
+
+
+def lower_inference(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule) -> fx.GraphModule:
+    """A forward-only program in the planned order."""
+
+    def missing(node: fx.Node) -> fx.Node:
+        raise RuntimeError(f"{node.name} is used before it is computed in the planned order")
+
+    prog = _Program(jg, missing)
+    for p in jg.primals:
+        prog.placeholder(p)
+    for o in schedule.fw_order:
+        prog.emit(built_nodes[o])
+    prog.output(jg.fw_outputs, _output_descs(jg) or None)
+    return _module(jg, prog.graph)
+
+
+def lower_training(
+    jg: JointGraph, problem: Problem, built_nodes: list[fx.Node], schedule: Schedule
+) -> tuple[fx.GraphModule, fx.GraphModule, list[fx.Node]]:
+    """Forward and backward modules for AOTAutograd, and the original nodes saved between them."""
+    recomputed = {built_nodes[o] for o in schedule.recomputed(problem)}
+    saved: list[fx.Node] = []
+    bw_placeholders: list[fx.Node] = []
+
+    def save(node: fx.Node) -> fx.Node:
+        """A forward value the backward reads and does not recompute: it crosses as a saved tensor."""
+        owner = node.args[0] if node.target is operator.getitem else node
+        if owner in recomputed:
+            raise RuntimeError(f"{node.name} is read in the backward before its recomputation")
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
+        saved.append(node)
+        new = bw.graph.placeholder(node.name)
+        new.meta = dict(node.meta)
+        bw_placeholders.append(new)
+        bw.env[node] = new
+        return new
+
+    bw = _Program(jg, save)
+    tangent_ph = [bw.placeholder(t) for t in jg.tangents]
+    for o in schedule.bw_order:
+        bw.emit(built_nodes[o])
+    bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
+    _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
+
+    def forward_missing(node: fx.Node) -> fx.Node:
+        raise RuntimeError(f"{node.name} is used before it is computed in the planned forward order")
+
+    fw = _Program(jg, forward_missing)
+    for p in jg.primals:
+        fw.placeholder(p)
+    for o in schedule.fw_order:
+        fw.emit(built_nodes[o])
+    descs = _output_descs(jg)[: jg.num_fwd_outputs]
+    if descs and SavedForBackwardsAOTOutput is not None:
+        descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
+    else:
+        descs = None
+    fw.output(list(jg.fw_outputs) + saved, descs)
+    return _module(jg, fw.graph), _module(jg, bw.graph), saved
+
+
+def _move_placeholders_first(graph: fx.Graph, ordered: list[fx.Node]) -> None:
+    """Placeholders were created as values were first needed; put them at the top, in order."""
+    head = next(iter(graph.nodes))
+    for ph in reversed(ordered):
+        if ph is not head:
+            head.prepend(ph)
+        head = ph
+
+
+def _module(jg: JointGraph, graph: fx.Graph) -> fx.GraphModule:
+    graph.lint()
+    return fx.GraphModule(jg.gm, graph)
+
+
+def boxed(gm: fx.GraphModule) -> Callable:
+    """Compile `gm` to take its arguments as a list that it clears, so nothing holds them past their last use."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list):
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.graph_module = gm  # type: ignore[attr-defined]
+    return run
+
+
+__all__ = ["boxed", "lower_inference", "lower_training", "Phase"]

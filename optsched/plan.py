@@ -1,0 +1,110 @@
+"""The plan: what the planner decided for one captured graph, and its figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import DeviceProfile
+from .solvers.problem import Problem, Schedule, SolveStats
+from .solvers.simulator import SimResult
+
+SUMMARY_KEYS = {
+    "kind": "'training' (forward+backward) or 'inference' (forward only)",
+    "predicted_peak_bytes": "simulated peak of the planned step: parameters, inputs, activations, gradients",
+    "unplanned_peak_bytes": "simulated peak of the program as captured (what '60%' budgets refer to)",
+    "budget_bytes": "the resolved budget, or None",
+    "lower_bound_bytes": "a peak no plan can go below",
+    "estimated_time_s": "cost-model time of the planned step",
+    "unplanned_time_s": "cost-model time of the program as captured",
+    "time_ratio": "estimated_time_s / unplanned_time_s",
+    "solver_status": "OPTIMAL, FEASIBLE (CP-SAT, gap below) or HEURISTIC",
+    "objective_s": "the solver's objective (estimated step time)",
+    "bound_s": "the solver's proven lower bound on it",
+    "gap": "(objective - bound) / objective",
+    "solve_time_s": "wall time of planning",
+    "method": "which model or heuristic produced the plan",
+    "n_ops": "ops in the captured graph (views excluded)",
+    "n_forward_ops": "forward ops",
+    "n_backward_ops": "backward ops",
+    "n_saved": "activations kept from the forward for the backward",
+    "saved_bytes": "their bytes",
+    "n_recomputed": "forward ops recomputed in the backward",
+    "recompute_s": "their estimated time",
+    "device_profile": "the profile times were estimated for",
+}
+
+
+@dataclass
+class Plan:
+    problem: Problem
+    schedule: Schedule
+    sim: SimResult
+    baseline: SimResult
+    stats: SolveStats
+    budget_bytes: int | None
+    budget_spec: str
+    lower_bound_bytes: int
+    profile: DeviceProfile
+
+    @property
+    def kind(self) -> str:
+        return "training" if self.problem.has_backward else "inference"
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.sim.peak_bytes
+
+    @property
+    def estimated_time_s(self) -> float:
+        return self.sim.time_s
+
+    @property
+    def solver_status(self) -> str:
+        return self.stats.status
+
+    @property
+    def gap(self) -> float:
+        return self.stats.gap
+
+    @property
+    def solve_time_s(self) -> float:
+        return self.stats.wall_s
+
+    def summary(self) -> dict:
+        """The plan's figures; keys and meanings are listed in `SUMMARY_KEYS`."""
+        saved_bytes = sum(self.problem.tensors[t].bytes for t in self.sim.saved)
+        out = {
+            "kind": self.kind,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "unplanned_peak_bytes": self.baseline.peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes,
+            "estimated_time_s": self.estimated_time_s,
+            "unplanned_time_s": self.baseline.time_s,
+            "time_ratio": self.estimated_time_s / self.baseline.time_s if self.baseline.time_s else 1.0,
+            "solver_status": self.solver_status,
+            "objective_s": self.stats.objective_s,
+            "bound_s": self.stats.bound_s,
+            "gap": self.gap,
+            "solve_time_s": self.solve_time_s,
+            "method": self.stats.method,
+            "n_ops": len(self.problem.ops),
+            "n_forward_ops": len(self.problem.fw_ops),
+            "n_backward_ops": len(self.problem.bw_ops),
+            "n_saved": len(self.sim.saved),
+            "saved_bytes": saved_bytes,
+            "n_recomputed": len(self.sim.recomputed_ops),
+            "recompute_s": self.sim.recompute_s,
+            "device_profile": self.profile.name,
+        }
+        assert set(out) == set(SUMMARY_KEYS)
+        return out
+
+    def __repr__(self) -> str:
+        mib = 2**20
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.2f} MiB"
+        return (
+            f"Plan({self.kind}, peak {self.predicted_peak_bytes / mib:.2f} MiB "
+            f"(unplanned {self.baseline.peak_bytes / mib:.2f}, budget {budget}), "
+            f"time x{self.summary()['time_ratio']:.3f}, {self.solver_status}, gap {self.gap:.2%})"
+        )

@@ -1,0 +1,22 @@
+"""optsched.solvers: the torch-free optimization core (problem, simulator, heuristics, CP-SAT)."""
+
+from .problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
+from .simulator import ScheduleError, SimResult, simulate
+from .solve import BudgetInfeasibleError, Solution, solve
+
+__all__ = [
+    "BudgetInfeasibleError",
+    "Op",
+    "Phase",
+    "Problem",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "Solution",
+    "SolveStats",
+    "Tensor",
+    "TensorKind",
+    "default_schedule",
+    "simulate",
+    "solve",
+]

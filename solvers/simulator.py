@@ -1,0 +1,134 @@
+"""Replay a schedule: the one evaluator every solver and heuristic is judged by.
+
+Memory convention (matches an allocator that frees at last use): at step k the live
+bytes are every storage produced at or before k and read at or after k. An op's
+inputs and outputs are therefore live together while it runs; a storage nobody
+reads lives only during the step that makes it. Inputs live all step, outputs of
+the step live to its end, tangents from the start of the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .problem import Phase, Problem, Schedule, TensorKind
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot run: missing op, bad order, value read before it exists."""
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    tensor: int
+    start: int
+    end: int  # inclusive
+    recomputed: bool  # the copy made by a recomputation in the backward
+
+
+@dataclass
+class SimResult:
+    peak_bytes: int
+    peak_step: int
+    time_s: float
+    timeline: list[int]  # live bytes at each step
+    steps: list[tuple[int, bool]]  # (op id, is recomputation) per step
+    n_forward_steps: int
+    lifetimes: list[Lifetime]
+    saved: list[int]  # forward storages kept alive into the backward
+    recomputed_ops: list[int]
+    recompute_s: float
+
+
+def _check_orders(problem: Problem, schedule: Schedule) -> None:
+    fw_ids = [o.id for o in problem.fw_ops]
+    if sorted(schedule.fw_order) != fw_ids:
+        missing = set(fw_ids) - set(schedule.fw_order)
+        raise ScheduleError(f"forward order is not a permutation of the forward ops (missing {sorted(missing)[:5]})")
+    bw_ids = {o.id for o in problem.bw_ops}
+    seen: set[int] = set()
+    for o in schedule.bw_order:
+        if o in seen:
+            raise ScheduleError(f"op {problem.ops[o].name!r} appears twice in the backward order")
+        seen.add(o)
+        op = problem.ops[o]
+        if op.phase is Phase.FW and not op.recomputable:
+            raise ScheduleError(f"op {op.name!r} is not recomputable")
+    if not bw_ids <= seen:
+        raise ScheduleError(f"backward order misses {len(bw_ids - seen)} backward ops")
+
+
+def simulate(problem: Problem, schedule: Schedule) -> SimResult:
+    """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
+    _check_orders(problem, schedule)
+    steps = [(o, False) for o in schedule.fw_order] + [
+        (o, problem.ops[o].phase is Phase.FW) for o in schedule.bw_order
+    ]
+    n_fw = len(schedule.fw_order)
+    last = max(len(steps) - 1, 0)
+    # copy key: (tensor, recomputed?) -> [start, end]
+    span: dict[tuple[int, bool], list[int]] = {}
+    for t in problem.tensors:
+        if t.kind is TensorKind.INPUT:
+            span[(t.id, False)] = [0, last]
+        elif t.kind is TensorKind.TANGENT:
+            span[(t.id, False)] = [n_fw, n_fw]
+    recompute_pos: dict[int, int] = {}
+    time_s = 0.0
+    recompute_s = 0.0
+    for k, (o, is_rc) in enumerate(steps):
+        op = problem.ops[o]
+        for t in op.inputs:
+            key = (t, k >= n_fw and problem.tensors[t].producer in recompute_pos)
+            if key not in span or span[key][0] > k:
+                where = "backward" if k >= n_fw else "forward"
+                raise ScheduleError(
+                    f"{where} step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before it exists"
+                )
+            span[key][1] = max(span[key][1], k)
+        if is_rc:
+            recompute_pos[o] = k
+            recompute_s += op.time_s
+        for t in op.outputs:
+            key = (t, is_rc)
+            if key in span:
+                raise ScheduleError(f"{problem.tensors[t].name!r} produced twice")
+            span[key] = [k, k]
+        time_s += op.time_s
+    for t in problem.outputs:
+        if (t, False) in span:
+            span[(t, False)][1] = last
+    delta = [0] * (len(steps) + 1)
+    lifetimes = []
+    for (t, rc), (s, e) in span.items():
+        nbytes = problem.tensors[t].bytes
+        delta[s] += nbytes
+        delta[e + 1] -= nbytes
+        lifetimes.append(Lifetime(t, s, e, rc))
+    timeline, live = [], 0
+    for k in range(len(steps)):
+        live += delta[k]
+        timeline.append(live)
+    if not timeline:  # an empty program still holds its inputs
+        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
+    peak = max(timeline)
+    saved = sorted(
+        t
+        for (t, rc), (s, e) in span.items()
+        if not rc
+        and problem.tensors[t].kind is TensorKind.ACTIVATION
+        and s < n_fw <= e
+        and t not in problem.outputs
+    )
+    return SimResult(
+        peak_bytes=peak,
+        peak_step=timeline.index(peak),
+        time_s=time_s,
+        timeline=timeline,
+        steps=steps,
+        n_forward_steps=n_fw,
+        lifetimes=sorted(lifetimes, key=lambda lt: (lt.start, lt.tensor)),
+        saved=saved,
+        recomputed_ops=sorted(recompute_pos),
+        recompute_s=recompute_s,
+    )

@@ -1,0 +1,164 @@
+"""Solving strategy: heuristics to start, CP-SAT to improve and bound, the simulator to decide.
+
+Every candidate plan is replayed by the simulator; the answer is the fastest one
+whose simulated peak fits the budget (lowest peak among equally fast ones), so no
+plan over budget ever leaves this module.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from .cpsat_order import solve_order
+from .cpsat_remat import min_peak_remat, solve_remat
+from .heuristics import full_recompute, greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes
+from .problem import Problem, Schedule, SolveStats, default_schedule
+from .simulator import SimResult, simulate
+
+EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
+
+
+class BudgetInfeasibleError(Exception):
+    """No plan found within the budget. Carries the lowest peak found and a proven lower bound."""
+
+    def __init__(self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.lowest_peak_bytes = lowest_peak_bytes
+        self.lower_bound_bytes = lower_bound_bytes
+        super().__init__(
+            f"no plan fits {budget_bytes / 2**20:.2f} MiB: the lowest peak found is "
+            f"{lowest_peak_bytes / 2**20:.2f} MiB and no plan can go below {lower_bound_bytes / 2**20:.2f} MiB"
+        )
+
+
+@dataclass
+class Solution:
+    schedule: Schedule
+    sim: SimResult
+    stats: SolveStats
+    baseline: SimResult  # the program as captured, unplanned
+    budget_bytes: int | None
+    lower_bound_bytes: int
+
+
+def _better(a: SimResult, b: SimResult | None) -> bool:
+    return b is None or (round(a.time_s, 12), a.peak_bytes) < (round(b.time_s, 12), b.peak_bytes)
+
+
+def _fits(sim: SimResult, budget: int | None) -> bool:
+    return budget is None or sim.peak_bytes <= budget
+
+
+def solve(
+    problem: Problem,
+    budget_bytes: int | None,
+    *,
+    time_limit_s: float = 5.0,
+    workers: int | None = None,
+) -> Solution:
+    """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak)."""
+    t0 = time.perf_counter()
+    workers = workers or max(1, min(8, os.cpu_count() or 1))
+    baseline = simulate(problem, default_schedule(problem))
+    lower = lower_bound_peak(problem)
+    if problem.has_backward:
+        best, stats = _solve_training(problem, budget_bytes, time_limit_s, workers)
+    else:
+        best, stats = _solve_forward_only(problem, time_limit_s, workers)
+    if best is None or not _fits(simulate(problem, best), budget_bytes):
+        lowest = _lowest_peak(problem, best, time_limit_s, workers)
+        raise BudgetInfeasibleError(budget_bytes or 0, lowest, lower)
+    stats.wall_s = time.perf_counter() - t0
+    return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
+
+
+def _solve_forward_only(problem: Problem, time_limit_s: float, workers: int) -> tuple[Schedule, SolveStats]:
+    program = [o.id for o in problem.fw_ops]
+    greedy = greedy_forward_order(problem)
+    orders = {"program": program, "greedy": greedy}
+    status, bound_bytes, method = "HEURISTIC", None, "greedy order"
+    if len(program) <= EXACT_ORDER_MAX_OPS:
+        hint = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
+        res = solve_order(problem, hint=hint, time_limit_s=time_limit_s, workers=workers)
+        if res is not None:
+            orders["cp-sat"] = res.order
+            status, bound_bytes, method = res.status, res.bound_bytes, "cp-sat exact order"
+    best_name, best = None, None
+    for name, order in orders.items():
+        sim = simulate(problem, Schedule(order, []))
+        if best is None or sim.peak_bytes < best[1].peak_bytes:
+            best_name, best = name, (Schedule(order, []), sim)
+    sched, sim = best
+    notes = [f"order from {best_name}"]
+    if bound_bytes:
+        notes.append(f"peak lower bound {bound_bytes} bytes over all orders")
+    stats = SolveStats(status, sim.time_s, sim.time_s, 0.0, 0.0, method, notes)
+    return sched, stats
+
+
+def _solve_training(
+    problem: Problem, budget: int | None, time_limit_s: float, workers: int
+) -> tuple[Schedule | None, SolveStats]:
+    bw_order = [o.id for o in problem.bw_ops]
+    program = [o.id for o in problem.fw_ops]
+    fw_orders = [program]
+    greedy_fw = greedy_forward_order(problem)
+    if greedy_fw != program:
+        fw_orders.append(greedy_fw)
+    share = time_limit_s / len(fw_orders)
+    best: tuple[Schedule, SimResult, SolveStats] | None = None
+    for fw_order in fw_orders:
+        t_start = time.perf_counter()
+        heur = greedy_recompute(problem, budget, fw_order, bw_order)
+        heur_sim = simulate(problem, heur)
+        hint = set(heur_sim.recomputed_ops) if _fits(heur_sim, budget) else None
+        if _fits(heur_sim, budget):
+            stats = SolveStats("HEURISTIC", heur_sim.time_s, 0.0, 1.0, 0.0, "greedy recompute")
+            if best is None or _better(heur_sim, best[1]):
+                best = (heur, heur_sim, stats)
+        res = solve_remat(problem, fw_order, bw_order, budget, time_limit_s=share, workers=workers, hint=hint)
+        if res is None or res.status == "INFEASIBLE":
+            continue
+        sched = place_recomputes(problem, fw_order, bw_order, res.recompute)
+        sim = simulate(problem, sched)
+        if not _fits(sim, budget):  # the model is conservative, so this would be a bug: never return it
+            continue
+        base_s = sum(problem.ops[o].time_s for o in program + bw_order)
+        bound = base_s + res.bound_s
+        stats = SolveStats(
+            status=res.status,
+            objective_s=sim.time_s,
+            bound_s=bound,
+            gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s > 0 else 0.0,
+            wall_s=time.perf_counter() - t_start,
+            method="cp-sat save/recompute, fixed order" + (" (greedy forward order)" if fw_order is not program else ""),
+            notes=list(res.notes),
+        )
+        if best is None or _better(sim, best[1]) or (best[2].status == "HEURISTIC" and not _better(best[1], sim)):
+            best = (sched, sim, stats)
+    if best is None:
+        return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat")
+    if best[2].status == "HEURISTIC":
+        # without a model solution, the bound is the time of the step with no recomputation at all
+        best[2].bound_s = sum(o.time_s for o in problem.ops)
+        best[2].gap = max(0.0, (best[1].time_s - best[2].bound_s) / best[1].time_s) if best[1].time_s else 0.0
+    return best[0], best[2]
+
+
+def _lowest_peak(problem: Problem, tried: Schedule | None, time_limit_s: float, workers: int) -> int:
+    """The lowest simulated peak among the plans we know how to make."""
+    cands = [default_schedule(problem), full_recompute(problem)]
+    if tried is not None:
+        cands.append(tried)
+    if problem.has_backward:
+        fw = [o.id for o in problem.fw_ops]
+        bw = [o.id for o in problem.bw_ops]
+        cands.append(greedy_recompute(problem, 0, fw, bw))
+        res = min_peak_remat(problem, fw, bw, time_limit_s=time_limit_s, workers=workers)
+        if res is not None:
+            cands.append(place_recomputes(problem, fw, bw, res[0]))
+    else:
+        cands.append(Schedule(greedy_forward_order(problem), []))
+    return min(simulate(problem, s).peak_bytes for s in cands)

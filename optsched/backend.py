@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 from .budget import Budget
-from .costs import DeviceProfile, get_profile
+from .costs import DeviceProfile, get_profile, measure_node_times
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .plan import Plan
@@ -42,7 +42,11 @@ class PlanningBackend:
         self.profile: DeviceProfile | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
-        self.profile = get_profile(self.device_profile, _device_of(example_inputs))
+        self.device = _device_of(example_inputs) or torch.device("cpu")
+        wants = self.device_profile
+        # default on CPU: measure op times on this machine; a named profile means the roofline
+        self.measure = wants == "measured" or (wants is None and self.device.type == "cpu")
+        self.profile = get_profile(None if wants == "measured" else wants, self.device)
         return aot_autograd(
             fw_compiler=self._compile,
             bw_compiler=self._compile,
@@ -54,6 +58,9 @@ class PlanningBackend:
     @staticmethod
     def _compile(gm: fx.GraphModule, example_inputs):
         return boxed(gm)
+
+    def _times(self, gm: fx.GraphModule) -> dict[str, float] | None:
+        return measure_node_times(gm, self.device) if self.measure else None
 
     def _plan(self, problem) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
@@ -69,19 +76,20 @@ class PlanningBackend:
             budget_spec=str(self.budget),
             lower_bound_bytes=sol.lower_bound_bytes,
             profile=self.profile,
+            timing="measured" if self.measure else "roofline",
         )
         self.on_plan(plan)
         return plan
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)
-        built = build_problem(jg, self.profile, name="training step")
+        built = build_problem(jg, self.profile, name="training step", measured=self._times(joint))
         plan = self._plan(built.problem)
-        fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule)
+        fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule, plan.sim.reused)
         return fw, bw
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)
-        built = build_problem(jg, self.profile, name="forward")
+        built = build_problem(jg, self.profile, name="forward", measured=self._times(gm))
         plan = self._plan(built.problem)
-        return boxed(lower_inference(jg, built.nodes, plan.schedule))
+        return boxed(lower_inference(jg, built.nodes, plan.schedule, plan.sim.reused))

@@ -8,6 +8,7 @@ machine can plan for any of them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -97,3 +98,40 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     flops = node_flops(node)
     rate = profile.half_flops if half else profile.fp32_flops
     return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s
+
+
+def measure_node_times(gm: fx.GraphModule, device: torch.device, repeat: int = 2) -> dict[str, float]:
+    """Seconds per node, measured by running `gm` on random inputs of its shapes on `device`.
+
+    Planning a CPU step with spec-sheet numbers misjudges what recomputation costs
+    (attention and layer norm are far from the roofline there); running the graph
+    once in context costs about as much as a training step and gives real times.
+    Integer inputs are zeros, which is a valid index for every op we have seen.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    times: dict[str, float] = {}
+
+    class _Timer(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            t0 = time.perf_counter()
+            out = super().run_node(n)
+            dt = time.perf_counter() - t0
+            times[n.name] = min(times.get(n.name, dt), dt)
+            return out
+
+    with unset_fake_temporarily(), torch.no_grad():
+        args = [_random_like(p.meta.get("val"), device) for p in gm.graph.find_nodes(op="placeholder")]
+        timer = _Timer(gm)
+        for _ in range(repeat + 1):  # the first run warms caches and allocator
+            timer.run(*args)
+    return times
+
+
+def _random_like(v, device: torch.device):
+    if not isinstance(v, torch.Tensor):
+        return v
+    shape, dtype = tuple(v.shape), v.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 from .joint_graph import JointGraph
+from .problem_builder import out_variant
 from .solvers.problem import Phase, Problem, Schedule
 
 try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
@@ -54,13 +55,28 @@ class _Program:
             return self._copy(node)
         return self.resolve_missing(node)
 
-    def emit(self, node: fx.Node) -> None:
-        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items)."""
+    def emit(self, node: fx.Node, into: int | None = None) -> None:
+        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items).
+
+        `into`: a storage, read by this node and dead after it, to write the output into.
+        """
         for a in node.all_input_nodes:
             self.value(a)
-        self._copy(node)
+        if into is None:
+            self._copy(node)
+        else:
+            self._emit_into(node, into)
         for g in self.jg.getitems.get(node, []):
             self._copy(g)
+
+    def _emit_into(self, node: fx.Node, storage: int) -> None:
+        overload, out_name = out_variant(node.target)
+        dest = next(a for a in node.all_input_nodes if self.jg.storage_of.get(a) == storage)
+        args = fx.map_arg(node.args, self.value)
+        kwargs = {**fx.map_arg(node.kwargs, self.value), out_name: self.value(dest)}
+        new = self.graph.call_function(overload, args, kwargs)
+        new.meta = dict(node.meta)
+        self.env[node] = new
 
     def _copy(self, node: fx.Node) -> fx.Node:
         new = self.graph.node_copy(node, lambda a: self.value(a))
@@ -79,7 +95,9 @@ def _output_descs(jg: JointGraph) -> list:
     return list(descs) if isinstance(descs, (list, tuple)) else []
 
 
-def lower_inference(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule) -> fx.GraphModule:
+def lower_inference(
+    jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
+) -> fx.GraphModule:
     """A forward-only program in the planned order."""
 
     def missing(node: fx.Node) -> fx.Node:
@@ -88,16 +106,20 @@ def lower_inference(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedu
     prog = _Program(jg, missing)
     for p in jg.primals:
         prog.placeholder(p)
-    for o in schedule.fw_order:
-        prog.emit(built_nodes[o])
+    for k, o in enumerate(schedule.fw_order):
+        prog.emit(built_nodes[o], reused.get(k))
     prog.output(jg.fw_outputs, _output_descs(jg) or None)
     return _module(jg, prog.graph)
 
 
 def lower_training(
-    jg: JointGraph, problem: Problem, built_nodes: list[fx.Node], schedule: Schedule
+    jg: JointGraph, problem: Problem, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
 ) -> tuple[fx.GraphModule, fx.GraphModule, list[fx.Node]]:
-    """Forward and backward modules for AOTAutograd, and the original nodes saved between them."""
+    """Forward and backward modules for AOTAutograd, and the original nodes saved between them.
+
+    `reused` maps a step (forward steps first, then backward) to the input storage its
+    output is written into, as the simulator decided.
+    """
     recomputed = {built_nodes[o] for o in schedule.recomputed(problem)}
     saved: list[fx.Node] = []
     bw_placeholders: list[fx.Node] = []
@@ -118,8 +140,9 @@ def lower_training(
 
     bw = _Program(jg, save)
     tangent_ph = [bw.placeholder(t) for t in jg.tangents]
-    for o in schedule.bw_order:
-        bw.emit(built_nodes[o])
+    n_fw = len(schedule.fw_order)
+    for j, o in enumerate(schedule.bw_order):
+        bw.emit(built_nodes[o], reused.get(n_fw + j))
     bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
     _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
 
@@ -129,8 +152,8 @@ def lower_training(
     fw = _Program(jg, forward_missing)
     for p in jg.primals:
         fw.placeholder(p)
-    for o in schedule.fw_order:
-        fw.emit(built_nodes[o])
+    for k, o in enumerate(schedule.fw_order):
+        fw.emit(built_nodes[o], reused.get(k))
     descs = _output_descs(jg)[: jg.num_fwd_outputs]
     if descs and SavedForBackwardsAOTOutput is not None:
         descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]

@@ -37,7 +37,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["PeakResult", "live_bytes", "measure_peak", "measure_time"]
+__all__ = ["PeakResult", "live_bytes", "measure_peak", "measure_ratio", "measure_time", "measure_training_step"]
 
 
 def live_bytes(*objs: Any) -> int:
@@ -154,3 +154,57 @@ def measure_time(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 5) -> 
             sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def measure_ratio(fn: Callable[[], Any], reference: Callable[[], Any], *, warmup: int = 2, repeat: int = 7) -> tuple[float, float]:
+    """(median seconds of fn, median seconds of reference), timed alternately.
+
+    Alternating the two in one loop makes their ratio robust to the machine's speed
+    drifting during a benchmark, which on a shared 2-core box it does by tens of percent.
+    """
+    for _ in range(warmup):
+        fn()
+        reference()
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(measure_time(fn, warmup=0, repeat=1))
+        b.append(measure_time(reference, warmup=0, repeat=1))
+    return statistics.median(a), statistics.median(b)
+
+
+@dataclass
+class StepMeasurement:
+    """One forward+backward from a canonical state (gradients None)."""
+
+    peak_bytes: int  # absolute: bytes live at the start (parameters, buffers, inputs) + the measured rise
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def measure_training_step(call: Callable, module: torch.nn.Module, inputs: tuple) -> StepMeasurement:
+    """Peak device bytes of `call(*inputs).backward()`, counted at the allocator.
+
+    Gradients are set to None before and after, so every measurement starts from the
+    same state and frees made by the step are of blocks the profiler saw allocated.
+    """
+    for p in module.parameters():
+        p.grad = None
+    gc.collect()
+    start = live_bytes(module, inputs)
+
+    def step() -> torch.Tensor:
+        loss = call(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    res = measure_peak(step, _device_of(module, inputs))
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    for p in module.parameters():
+        p.grad = None
+    return StepMeasurement(start + res.peak_bytes, res.result, grads)
+
+
+def _device_of(module: torch.nn.Module, inputs: tuple) -> torch.device:
+    for t in list(module.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]:
+        return t.device
+    return torch.device("cpu")

@@ -31,6 +31,7 @@ SUMMARY_KEYS = {
     "n_recomputed": "forward ops recomputed in the backward",
     "recompute_s": "their estimated time",
     "device_profile": "the profile times were estimated for",
+    "timing": "'measured' (op times measured on the device) or 'roofline' (the profile's cost model)",
 }
 
 
@@ -45,6 +46,7 @@ class Plan:
     budget_spec: str
     lower_bound_bytes: int
     profile: DeviceProfile
+    timing: str = "roofline"  # or "measured": op times measured on the planning device
 
     @property
     def kind(self) -> str:
@@ -96,6 +98,7 @@ class Plan:
             "n_recomputed": len(self.sim.recomputed_ops),
             "recompute_s": self.sim.recompute_s,
             "device_profile": self.profile.name,
+            "timing": self.timing,
         }
         assert set(out) == set(SUMMARY_KEYS)
         return out

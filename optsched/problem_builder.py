@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,7 @@ import torch.fx as fx
 
 from .costs import DeviceProfile, node_time
 from .joint_graph import JointGraph
-from .solvers.problem import Op, Phase, Problem, Tensor
+from .solvers.problem import Op, Phase, Problem, Tensor, TensorKind
 
 _SDPA = {
     "_scaled_dot_product_flash_attention_for_cpu",
@@ -48,7 +49,50 @@ def is_recomputable(node: fx.Node) -> bool:
     return True
 
 
-def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step") -> Built:
+@functools.cache
+def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
+    """The out= overload of an elementwise op with the same inputs, and its out argument's name."""
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
+        return None
+    want = [a.name for a in target._schema.arguments]
+    packet = target.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        outs = [a for a in args if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only]
+        if len(outs) == 1 and [a.name for a in args if a is not outs[0]] == want and len(cand._schema.returns) == 1:
+            return cand, outs[0].name
+    return None
+
+
+def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> tuple[tuple[int, int], ...]:
+    """Inputs whose storage this op could write its output into: same layout, covering the whole storage."""
+    if len(outs) != 1 or out_variant(node.target) is None:
+        return ()
+    out_val = node.meta["val"]
+    pairs = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        s = jg.storage_of.get(a)
+        if (
+            isinstance(v, torch.Tensor)
+            and s is not None
+            and jg.storages[s].kind is TensorKind.ACTIVATION
+            and v.shape == out_val.shape
+            and v.dtype == out_val.dtype
+            and v.stride() == out_val.stride()
+            and v.storage_offset() == 0
+            and jg.storages[s].nbytes == jg.storages[outs[0]].nbytes == v.numel() * v.element_size()
+        ):
+            pairs.append((outs[0], s))
+    return tuple(pairs)
+
+
+def build_problem(
+    jg: JointGraph, profile: DeviceProfile, name: str = "step", measured: dict[str, float] | None = None
+) -> Built:
+    """Ops in program order (forward, then backward), timed by `measured` seconds per node name
+    when given, else by the profile's roofline."""
     tensors = [Tensor(s.index, s.node.name, s.nbytes, s.kind) for s in jg.storages]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
@@ -66,8 +110,9 @@ def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step") ->
                 phase=jg.phase[node],
                 inputs=reads,
                 outputs=tuple(outs),
-                time_s=node_time(node, profile),
+                time_s=measured[node.name] if measured and node.name in measured else node_time(node, profile),
                 recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
+                reuse=_reuse_pairs(jg, node, outs),
             )
         )
         nodes.append(node)

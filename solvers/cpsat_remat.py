@@ -97,8 +97,11 @@ class _RematModel:
                 self._add_static(t.bytes, F, max([F] + [self.pos[b] for b in bw_readers[t.id]]))
             elif p.ops[t.producer].phase is Phase.BW:
                 uses = [self.pos[b] for b in bw_readers[t.id]]
-                end = T - 1 if t.id in p.outputs else max([self.pos[t.producer]] + uses)
-                self._add_static(t.bytes, self.pos[t.producer], end)
+                start = self.pos[t.producer]
+                end = T - 1 if t.id in p.outputs else max([start] + uses)
+                if end > start and t.id not in p.outputs and self._reused_by(bw_readers[t.id], end, t.id):
+                    end -= 1  # its last reader writes its output into this storage
+                self._add_static(t.bytes, start, end)
             else:
                 self._forward_activation(t, fw_readers[t.id], bw_readers[t.id])
         for o in self.candidates:  # a recomputation runs before any recomputed reader
@@ -107,6 +110,21 @@ class _RematModel:
                     if c in self.r:
                         m.Add(self.N[o] <= self.N[c]).OnlyEnforceIf(self.r[c])
         self._add_static_runs()
+
+    def _reused_by(self, readers: list[int], end: int, tid: int) -> bool:
+        """Whether the op at step `end` takes over `tid`'s storage, by the simulator's rule,
+        counting only pairs whose outcome does not depend on recompute decisions."""
+        for r in readers:
+            if self.pos[r] != end:
+                continue
+            for _out, inp in self.p.ops[r].reuse:
+                src = self.p.tensors[inp]
+                if src.kind is not TensorKind.ACTIVATION or inp in self.p.outputs:
+                    continue
+                if src.producer is None or self.p.ops[src.producer].phase is not Phase.BW:
+                    return False  # depends on decisions: stay conservative
+                return inp == tid
+        return False
 
     def _forward_activation(self, t, fw_uses: list[int], bw_uses: list[int]) -> None:
         p, m, F, T = self.p, self.m, self.F, self.T

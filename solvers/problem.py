@@ -43,6 +43,9 @@ class Op:
     outputs: tuple[int, ...]  # tensor ids allocated
     time_s: float = 0.0
     recomputable: bool = True  # False for random, mutating or side-effecting ops
+    # (output, input) pairs: the output may be written into the input's storage when
+    # that input dies at this op (an elementwise op with an out= variant)
+    reuse: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -97,6 +100,11 @@ class Problem:
             for t in op.inputs:
                 if t not in produced:
                     raise ValueError(f"op {op.name!r} reads tensor {self.tensors[t].name!r} before it exists")
+            for out, inp in op.reuse:
+                if out not in op.outputs or inp not in op.inputs:
+                    raise ValueError(f"op {op.name!r} reuse pair ({out}, {inp}) is not (output, input)")
+                if self.tensors[out].bytes != self.tensors[inp].bytes:
+                    raise ValueError(f"op {op.name!r} reuses a storage of another size")
             for t in op.outputs:
                 if self.tensors[t].producer != op.id:
                     raise ValueError(f"tensor {self.tensors[t].name!r} does not name op {op.name!r} as producer")

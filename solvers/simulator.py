@@ -36,6 +36,9 @@ class SimResult:
     n_forward_steps: int
     lifetimes: list[Lifetime]
     saved: list[int]  # forward storages kept alive into the backward
+    reused: dict[int, int]  # step -> input tensor whose storage the step's output takes over
+    reads: list[list[tuple[int, bool]]]  # per step: (tensor, recomputed copy?) it reads
+    spans: dict[tuple[int, bool], tuple[int, int]]  # every copy's [start, end], reuse applied
     recomputed_ops: list[int]
     recompute_s: float
 
@@ -74,12 +77,15 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         elif t.kind is TensorKind.TANGENT:
             span[(t.id, False)] = [n_fw, n_fw]
     recompute_pos: dict[int, int] = {}
+    reads: list[list[tuple[int, bool]]] = []
     time_s = 0.0
     recompute_s = 0.0
     for k, (o, is_rc) in enumerate(steps):
         op = problem.ops[o]
+        reads.append([])
         for t in op.inputs:
             key = (t, k >= n_fw and problem.tensors[t].producer in recompute_pos)
+            reads[-1].append(key)
             if key not in span or span[key][0] > k:
                 where = "backward" if k >= n_fw else "forward"
                 raise ScheduleError(
@@ -98,6 +104,7 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     for t in problem.outputs:
         if (t, False) in span:
             span[(t, False)][1] = last
+    reused = _apply_reuse(problem, steps, n_fw, span)
     delta = [0] * (len(steps) + 1)
     lifetimes = []
     for (t, rc), (s, e) in span.items():
@@ -130,5 +137,32 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         lifetimes=sorted(lifetimes, key=lambda lt: (lt.start, lt.tensor)),
         saved=saved,
         recomputed_ops=sorted(recompute_pos),
+        reused=reused,
+        reads=reads,
+        spans={key: (v[0], v[1]) for key, v in span.items()},
         recompute_s=recompute_s,
     )
+
+
+def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, span: dict) -> dict[int, int]:
+    """Let an op write its output into an input that dies at that very step.
+
+    The input's storage then ends one step earlier and the output takes it over, so
+    the step allocates nothing new. Only activations qualify: inputs, tangents and
+    the step's outputs are held by someone else.
+    """
+    reused: dict[int, int] = {}
+    recomputed_before: set[int] = set()
+    for k, (o, is_rc) in enumerate(steps):
+        op = problem.ops[o]
+        for out, inp in op.reuse:
+            t = problem.tensors[inp]
+            key = (inp, k >= n_fw and t.producer in recomputed_before)
+            s, e = span[key]
+            if t.kind is TensorKind.ACTIVATION and inp not in problem.outputs and e == k and s < k:
+                span[key][1] = k - 1
+                reused[k] = inp
+                break
+        if is_rc:
+            recomputed_before.add(o)
+    return reused

@@ -15,6 +15,7 @@ from .cpsat_order import solve_order
 from .cpsat_remat import min_peak_remat, solve_remat
 from .heuristics import full_recompute, greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes
 from .problem import Problem, Schedule, SolveStats, default_schedule
+from .reorder import base_orders, refine_order
 from .simulator import SimResult, simulate
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
@@ -101,50 +102,94 @@ def _solve_forward_only(problem: Problem, time_limit_s: float, workers: int) -> 
 def _solve_training(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int
 ) -> tuple[Schedule | None, SolveStats]:
+    """Alternate: save/recompute for a fixed order, then reorder around the peak, then again."""
+    deadline = time.perf_counter() + time_limit_s
     bw_order = [o.id for o in problem.bw_ops]
     program = [o.id for o in problem.fw_ops]
-    fw_orders = [program]
+    orders = [(program, bw_order, "program order")]
     greedy_fw = greedy_forward_order(problem)
     if greedy_fw != program:
-        fw_orders.append(greedy_fw)
-    share = time_limit_s / len(fw_orders)
-    best: tuple[Schedule, SimResult, SolveStats] | None = None
-    for fw_order in fw_orders:
-        t_start = time.perf_counter()
-        heur = greedy_recompute(problem, budget, fw_order, bw_order)
-        heur_sim = simulate(problem, heur)
-        hint = set(heur_sim.recomputed_ops) if _fits(heur_sim, budget) else None
-        if _fits(heur_sim, budget):
-            stats = SolveStats("HEURISTIC", heur_sim.time_s, 0.0, 1.0, 0.0, "greedy recompute")
-            if best is None or _better(heur_sim, best[1]):
-                best = (heur, heur_sim, stats)
-        res = solve_remat(problem, fw_order, bw_order, budget, time_limit_s=share, workers=workers, hint=hint)
-        if res is None or res.status == "INFEASIBLE":
-            continue
-        sched = place_recomputes(problem, fw_order, bw_order, res.recompute)
-        sim = simulate(problem, sched)
-        if not _fits(sim, budget):  # the model is conservative, so this would be a bug: never return it
-            continue
-        base_s = sum(problem.ops[o].time_s for o in program + bw_order)
-        bound = base_s + res.bound_s
-        stats = SolveStats(
-            status=res.status,
-            objective_s=sim.time_s,
-            bound_s=bound,
-            gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s > 0 else 0.0,
-            wall_s=time.perf_counter() - t_start,
-            method="cp-sat save/recompute, fixed order" + (" (greedy forward order)" if fw_order is not program else ""),
-            notes=list(res.notes),
-        )
-        if best is None or _better(sim, best[1]) or (best[2].status == "HEURISTIC" and not _better(best[1], sim)):
-            best = (sched, sim, stats)
+        orders.append((greedy_fw, bw_order, "greedy forward order"))
+    best: _Candidate | None = None
+    lowest: _Candidate | None = None
+    for fw_order, bw, label in orders:
+        share = 0.35 * time_limit_s / len(orders)
+        for cand in _remat_candidates(problem, budget, fw_order, bw, share, workers, label):
+            best, lowest = _keep(best, lowest, cand, budget)
+    for round_ in range(3):  # reorder around the peak, then re-decide recomputation for the new order
+        left = deadline - time.perf_counter()
+        if left < 0.2:
+            break
+        base = best if best is not None else lowest
+        refined = refine_order(problem, base.schedule, time_limit_s=0.3 * left, workers=workers)
+        rsim = simulate(problem, refined)
+        if rsim.peak_bytes >= base.sim.peak_bytes:
+            break
+        label = f"reordered x{round_ + 1}"
+        fw_order, bw = base_orders(problem, refined)
+        best, lowest = _keep(best, lowest, _Candidate(refined, rsim, _heuristic_stats(problem, rsim, label)), budget)
+        left = deadline - time.perf_counter()
+        for cand in _remat_candidates(problem, budget, fw_order, bw, 0.6 * left, workers, label):
+            best, lowest = _keep(best, lowest, cand, budget)
     if best is None:
         return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat")
-    if best[2].status == "HEURISTIC":
-        # without a model solution, the bound is the time of the step with no recomputation at all
-        best[2].bound_s = sum(o.time_s for o in problem.ops)
-        best[2].gap = max(0.0, (best[1].time_s - best[2].bound_s) / best[1].time_s) if best[1].time_s else 0.0
-    return best[0], best[2]
+    return best.schedule, best.stats
+
+
+@dataclass
+class _Candidate:
+    schedule: Schedule
+    sim: SimResult
+    stats: SolveStats
+
+
+def _keep(best, lowest, cand: _Candidate, budget: int | None):
+    """Update (fastest within budget, lowest peak) with a candidate; CP-SAT's wins ties over heuristics."""
+    if _fits(cand.sim, budget):
+        if best is None or _better(cand.sim, best.sim) or (
+            best.stats.status == "HEURISTIC" and cand.stats.status != "HEURISTIC" and not _better(best.sim, cand.sim)
+        ):
+            best = cand
+    if lowest is None or cand.sim.peak_bytes < lowest.sim.peak_bytes:
+        lowest = cand
+    return best, lowest
+
+
+def _heuristic_stats(problem: Problem, sim: SimResult, label: str) -> SolveStats:
+    """Without a model solution, the bound is the time of the step with no recomputation at all."""
+    bound = sum(o.time_s for o in problem.ops)
+    gap = max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s else 0.0
+    return SolveStats("HEURISTIC", sim.time_s, bound, gap, 0.0, f"greedy recompute, {label}")
+
+
+def _remat_candidates(
+    problem: Problem, budget: int | None, fw_order: list[int], bw_order: list[int], time_s: float, workers: int, label: str
+) -> list[_Candidate]:
+    """The greedy plan and the CP-SAT plan (warm-started from it) for one fixed order."""
+    out = []
+    heur = greedy_recompute(problem, budget, fw_order, bw_order)
+    heur_sim = simulate(problem, heur)
+    out.append(_Candidate(heur, heur_sim, _heuristic_stats(problem, heur_sim, label)))
+    hint = set(heur_sim.recomputed_ops) if _fits(heur_sim, budget) else None
+    t_start = time.perf_counter()
+    res = solve_remat(problem, fw_order, bw_order, budget, time_limit_s=max(0.2, time_s), workers=workers, hint=hint)
+    if res is None or res.status == "INFEASIBLE":
+        return out
+    sched = place_recomputes(problem, fw_order, bw_order, res.recompute)
+    sim = simulate(problem, sched)
+    base_s = sum(problem.ops[o].time_s for o in fw_order + bw_order)
+    bound = base_s + res.bound_s
+    stats = SolveStats(
+        status=res.status,
+        objective_s=sim.time_s,
+        bound_s=bound,
+        gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s > 0 else 0.0,
+        wall_s=time.perf_counter() - t_start,
+        method=f"cp-sat save/recompute, {label}",
+        notes=list(res.notes),
+    )
+    out.append(_Candidate(sched, sim, stats))
+    return out
 
 
 def _lowest_peak(problem: Problem, tried: Schedule | None, time_limit_s: float, workers: int) -> int:

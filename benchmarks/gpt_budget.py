@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--budgets", default="0.7,0.55,0.4", help="fractions of eager's measured peak")
     ap.add_argument("--time-limit", type=float, default=5.0, help="planning time limit per budget, seconds")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=RESULTS / "gpt_budget.json")
     args = ap.parse_args(argv)
     if args.demo:
-        args.repeat = 3
+        args.repeat, args.no_mincut = 3, True
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, block_size=args.seq)

@@ -69,6 +69,7 @@ class _RematModel:
         self.r = {o: self.m.NewBoolVar(f"recompute[{problem.ops[o].name}]") for o in self.candidates}
         self.N = {o: self.m.NewIntVar(self.F, self.T - 1, f"N[{problem.ops[o].name}]") for o in self.candidates}
         self.static = [0] * self.T
+        self.sure: list[list] = [[] for _ in range(self.T)]  # per step: (units, literal) surely live
         self.intervals: list = []
         self.demands: list[int] = []
         self._build()
@@ -166,9 +167,17 @@ class _RematModel:
                 m.Add(saved + rc <= 1)
                 m.Add(saved >= needed - rc)
             self._optional(f"rc[{name}]", self.N[prod], L, rc, size)
+            if direct:  # a recomputed copy surely lives through its direct readers
+                self._sure(min(direct), max(direct), size, rc)
         else:
             saved = needed
         self._optional(f"saved[{name}]", fw_last + 1, L, saved, size)
+        # a saved copy surely lives from its last forward use to the end of the forward and to its last direct reader
+        self._sure(fw_last + 1, max([F] + direct), size, saved)
+
+    def _sure(self, first: int, last: int, units: int, present) -> None:
+        for k in range(first, last + 1):
+            self.sure[k].append((units, present))
 
     def _optional(self, name: str, start, last, present, demand: int) -> None:
         if isinstance(present, int):
@@ -198,6 +207,11 @@ class _RematModel:
         cap = top if budget_bytes is None else max(0, min(budget_bytes // self.unit, top))
         peak = self.m.NewIntVar(0, cap, "peak")
         self.m.AddCumulative(self.intervals, self.demands, peak)
+        # Redundant per-step sums of what is surely live: the cumulative alone gives CP-SAT's
+        # LP almost no bound, these turn the time objective into a knapsack it can bound.
+        for k, terms in enumerate(self.sure):
+            if terms:
+                self.m.Add(self._units(self.static[k]) + sum(u * v for u, v in terms) <= peak)
         return peak
 
     def recompute_ns(self):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .cpsat_order import solve_order
 from .cpsat_remat import min_peak_remat, solve_remat
-from .heuristics import full_recompute, greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes
+from .heuristics import greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes
 from .problem import Problem, Schedule, SolveStats, default_schedule
 from .reorder import base_orders, refine_order
 from .simulator import SimResult, simulate
@@ -65,11 +65,11 @@ def solve(
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
     if problem.has_backward:
-        best, stats = _solve_training(problem, budget_bytes, time_limit_s, workers)
+        best, stats, lowest = _solve_training(problem, budget_bytes, time_limit_s, workers)
     else:
         best, stats = _solve_forward_only(problem, time_limit_s, workers)
+        lowest = simulate(problem, best).peak_bytes
     if best is None or not _fits(simulate(problem, best), budget_bytes):
-        lowest = _lowest_peak(problem, best, time_limit_s, workers)
         raise BudgetInfeasibleError(budget_bytes or 0, lowest, lower)
     stats.wall_s = time.perf_counter() - t0
     return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
@@ -101,7 +101,7 @@ def _solve_forward_only(problem: Problem, time_limit_s: float, workers: int) -> 
 
 def _solve_training(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int
-) -> tuple[Schedule | None, SolveStats]:
+) -> tuple[Schedule | None, SolveStats, int]:
     """Alternate: save/recompute for a fixed order, then reorder around the peak, then again."""
     deadline = time.perf_counter() + time_limit_s
     bw_order = [o.id for o in problem.bw_ops]
@@ -116,12 +116,16 @@ def _solve_training(
         share = 0.35 * time_limit_s / len(orders)
         for cand in _remat_candidates(problem, budget, fw_order, bw, share, workers, label):
             best, lowest = _keep(best, lowest, cand, budget)
-    for round_ in range(3):  # reorder around the peak, then re-decide recomputation for the new order
+    if best is None:  # over budget in every fixed order: start reordering from the lowest peak instead
+        cand = _min_peak_candidate(problem, program, bw_order, 0.15 * time_limit_s, workers, "program order")
+        if cand is not None:
+            best, lowest = _keep(best, lowest, cand, budget)
+    for round_ in range(8):  # reorder around the peak, then re-decide recomputation for the new order
         left = deadline - time.perf_counter()
         if left < 0.2:
             break
         base = best if best is not None else lowest
-        refined = refine_order(problem, base.schedule, time_limit_s=0.3 * left, workers=workers)
+        refined = refine_order(problem, base.schedule, time_limit_s=0.25 * left, workers=workers)
         rsim = simulate(problem, refined)
         if rsim.peak_bytes >= base.sim.peak_bytes:
             break
@@ -129,11 +133,15 @@ def _solve_training(
         fw_order, bw = base_orders(problem, refined)
         best, lowest = _keep(best, lowest, _Candidate(refined, rsim, _heuristic_stats(problem, rsim, label)), budget)
         left = deadline - time.perf_counter()
-        for cand in _remat_candidates(problem, budget, fw_order, bw, 0.6 * left, workers, label):
+        for cand in _remat_candidates(problem, budget, fw_order, bw, 0.5 * left, workers, label):
             best, lowest = _keep(best, lowest, cand, budget)
+        if best is None:  # still over budget: push the peak down as far as this order allows
+            cand = _min_peak_candidate(problem, fw_order, bw, 0.3 * (deadline - time.perf_counter()), workers, label)
+            if cand is not None:
+                best, lowest = _keep(best, lowest, cand, budget)
     if best is None:
-        return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat")
-    return best.schedule, best.stats
+        return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat"), lowest.sim.peak_bytes
+    return best.schedule, best.stats, lowest.sim.peak_bytes
 
 
 @dataclass
@@ -159,7 +167,19 @@ def _heuristic_stats(problem: Problem, sim: SimResult, label: str) -> SolveStats
     """Without a model solution, the bound is the time of the step with no recomputation at all."""
     bound = sum(o.time_s for o in problem.ops)
     gap = max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s else 0.0
-    return SolveStats("HEURISTIC", sim.time_s, bound, gap, 0.0, f"greedy recompute, {label}")
+    status = "OPTIMAL" if sim.time_s <= bound else "HEURISTIC"  # nothing recomputed: nothing faster exists
+    return SolveStats(status, sim.time_s, bound, gap, 0.0, f"greedy recompute, {label}")
+
+
+def _min_peak_candidate(
+    problem: Problem, fw_order: list[int], bw_order: list[int], time_s: float, workers: int, label: str
+) -> _Candidate | None:
+    res = min_peak_remat(problem, fw_order, bw_order, time_limit_s=max(0.2, time_s), workers=workers)
+    if res is None:
+        return None
+    sched = place_recomputes(problem, fw_order, bw_order, res[0])
+    sim = simulate(problem, sched)
+    return _Candidate(sched, sim, _heuristic_stats(problem, sim, f"lowest peak, {label}"))
 
 
 def _remat_candidates(
@@ -190,20 +210,3 @@ def _remat_candidates(
     )
     out.append(_Candidate(sched, sim, stats))
     return out
-
-
-def _lowest_peak(problem: Problem, tried: Schedule | None, time_limit_s: float, workers: int) -> int:
-    """The lowest simulated peak among the plans we know how to make."""
-    cands = [default_schedule(problem), full_recompute(problem)]
-    if tried is not None:
-        cands.append(tried)
-    if problem.has_backward:
-        fw = [o.id for o in problem.fw_ops]
-        bw = [o.id for o in problem.bw_ops]
-        cands.append(greedy_recompute(problem, 0, fw, bw))
-        res = min_peak_remat(problem, fw, bw, time_limit_s=time_limit_s, workers=workers)
-        if res is not None:
-            cands.append(place_recomputes(problem, fw, bw, res[0]))
-    else:
-        cands.append(Schedule(greedy_forward_order(problem), []))
-    return min(simulate(problem, s).peak_bytes for s in cands)

@@ -26,7 +26,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m ''
 
 bench: setup
-	$(BIN)/python -m benchmarks.seed_fusion
+	$(BIN)/python -m benchmarks.seed_order
 	$(BIN)/python -m benchmarks.gpt_budget
 
 clean:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,21 @@ from .plan import Plan
 from .solvers import BudgetInfeasibleError
 
 DEFAULT_TIME_LIMIT_S = 5.0
+
+
+def _own_code(call: Callable) -> Callable:
+    """A trampoline to `call` with a code object of its own.
+
+    Dynamo caches compiled graphs per code object and stops compiling after a few
+    entries for one code object; every optimize() gets its own so that optimizing the
+    same function or module class many times never hits that limit.
+    """
+
+    def trampoline(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    code = trampoline.__code__.replace()
+    return types.FunctionType(code, trampoline.__globals__, "optsched_step", None, trampoline.__closure__)
 
 
 def _unwrap_errors(compiled: Callable) -> Callable:
@@ -78,12 +94,12 @@ def optimize(
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
         backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(target, p))
         target.plan = None
-        compiled = torch.compile(target._call_impl, backend=backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
         target._compiled_call_impl = _unwrap_errors(compiled)
     else:
         holder: dict[str, OptimizedFunction] = {}
         backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(holder["f"], p))
-        compiled = torch.compile(fn_or_module, backend=backend, fullgraph=True, dynamic=False)
+        compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
         target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))
 
     if example_inputs is not None:

@@ -108,6 +108,8 @@ def greedy_recompute(
     candidates = set(recompute_candidates(problem))
     chosen: set[int] = set()
     best = place_recomputes(problem, fw_order, bw_order, chosen)
+    if budget is None:  # no budget: nothing is worth recomputing
+        return best
     best_peak = simulate(problem, best).peak_bytes
     sched, sim = best, simulate(problem, best)
     rounds = max_rounds if max_rounds is not None else len(candidates) + 1

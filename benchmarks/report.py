@@ -72,8 +72,8 @@ def render(readme: str) -> str:
         if not path.exists():
             continue
         table = fn(json.loads(path.read_text()))
-        pattern = re.compile(rf"(<!-- bench:{key} -->\n).*?(\n<!-- /bench:{key} -->)", re.S)
-        readme = pattern.sub(lambda m: m.group(1) + table + m.group(2), readme)
+        pattern = re.compile(rf"(<!-- bench:{key} -->\n).*?(<!-- /bench:{key} -->)", re.S)
+        readme = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), readme)
     return readme
 
 

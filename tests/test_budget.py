@@ -94,7 +94,6 @@ def test_none_means_no_budget():
         "12GB!",
         "%",
         "60%%",
-        "1e9",
         [1],
         [],
         (12, "GB"),

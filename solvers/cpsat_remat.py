@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from .heuristics import recompute_candidates
-from .problem import Phase, Problem, TensorKind
+from .liveness import Activation, OrderedProblem
+from .problem import Problem
 
 NS = 1e-9
 RESOLUTION = 1 << 20  # memory units across all of a step's storages
@@ -61,85 +61,31 @@ class _RematModel:
         self.p = problem
         self.m = cp_model.CpModel()
         self.unit = memory_unit(problem)
-        self.F, self.B = len(fw_order), len(bw_order)
-        self.T = self.F + self.B
-        self.pos = {o: k for k, o in enumerate(fw_order)}
-        self.pos.update({o: self.F + k for k, o in enumerate(bw_order)})
-        self.candidates = [o for o in recompute_candidates(problem) if self._useful(o)]
+        self.o = OrderedProblem(problem, fw_order, bw_order)
+        self.F, self.T = self.o.F, self.o.T
+        self.candidates = self.o.candidates
         self.r = {o: self.m.NewBoolVar(f"recompute[{problem.ops[o].name}]") for o in self.candidates}
         self.N = {o: self.m.NewIntVar(self.F, self.T - 1, f"N[{problem.ops[o].name}]") for o in self.candidates}
-        self.static = [0] * self.T
+        self.static = self.o.static
         self.sure: list[list] = [[] for _ in range(self.T)]  # per step: (units, literal) surely live
         self.intervals: list = []
         self.demands: list[int] = []
-        self._build()
-
-    def _useful(self, o: int) -> bool:
-        return any(self.p.tensors[t].kind is TensorKind.ACTIVATION for t in self.p.ops[o].outputs)
+        for act in self.o.activations:
+            self._forward_activation(act)
+        for o in self.candidates:  # a recomputation runs before any recomputed reader
+            for t in problem.ops[o].outputs:
+                for c in self.o.fw_readers[t]:
+                    if c in self.r:
+                        self.m.Add(self.N[o] <= self.N[c]).OnlyEnforceIf(self.r[c])
+        self._add_static_runs()
 
     def _units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
 
-    def _add_static(self, nbytes: int, start: int, end: int) -> None:
-        for k in range(start, end + 1):
-            self.static[k] += nbytes
-
-    def _build(self) -> None:
-        p, m, F, T = self.p, self.m, self.F, self.T
-        fw_readers: dict[int, list[int]] = {t.id: [] for t in p.tensors}
-        bw_readers: dict[int, list[int]] = {t.id: [] for t in p.tensors}
-        for op in p.ops:
-            for t in op.inputs:
-                (fw_readers if op.phase is Phase.FW else bw_readers)[t].append(op.id)
-        for t in p.tensors:
-            if t.kind is TensorKind.INPUT:
-                self._add_static(t.bytes, 0, T - 1)
-            elif t.kind is TensorKind.TANGENT:
-                self._add_static(t.bytes, F, max([F] + [self.pos[b] for b in bw_readers[t.id]]))
-            elif p.ops[t.producer].phase is Phase.BW:
-                uses = [self.pos[b] for b in bw_readers[t.id]]
-                start = self.pos[t.producer]
-                end = T - 1 if t.id in p.outputs else max([start] + uses)
-                if end > start and t.id not in p.outputs and self._reused_by(bw_readers[t.id], end, t.id):
-                    end -= 1  # its last reader writes its output into this storage
-                self._add_static(t.bytes, start, end)
-            else:
-                self._forward_activation(t, fw_readers[t.id], bw_readers[t.id])
-        for o in self.candidates:  # a recomputation runs before any recomputed reader
-            for t in p.ops[o].outputs:
-                for c in fw_readers[t]:
-                    if c in self.r:
-                        m.Add(self.N[o] <= self.N[c]).OnlyEnforceIf(self.r[c])
-        self._add_static_runs()
-
-    def _reused_by(self, readers: list[int], end: int, tid: int) -> bool:
-        """Whether the op at step `end` takes over `tid`'s storage, by the simulator's rule,
-        counting only pairs whose outcome does not depend on recompute decisions."""
-        for r in readers:
-            if self.pos[r] != end:
-                continue
-            for _out, inp in self.p.ops[r].reuse:
-                src = self.p.tensors[inp]
-                if src.kind is not TensorKind.ACTIVATION or inp in self.p.outputs:
-                    continue
-                if src.producer is None or self.p.ops[src.producer].phase is not Phase.BW:
-                    return False  # depends on decisions: stay conservative
-                return inp == tid
-        return False
-
-    def _forward_activation(self, t, fw_uses: list[int], bw_uses: list[int]) -> None:
-        p, m, F, T = self.p, self.m, self.F, self.T
-        start = self.pos[t.producer]
-        fw_last = max([start] + [self.pos[c] for c in fw_uses])
-        if t.id in p.outputs:
-            self._add_static(t.bytes, start, T - 1)
-            return
-        self._add_static(t.bytes, start, fw_last)
-        rc_readers = [c for c in fw_uses if c in self.r]
-        direct = [self.pos[b] for b in bw_uses]
-        if not direct and not rc_readers:
-            return
-        name = t.name
+    def _forward_activation(self, act: Activation) -> None:
+        m, F, T = self.m, self.F, self.T
+        direct, rc_readers, fw_last = act.direct, act.rc_readers, act.fw_last
+        name = self.p.tensors[act.tensor].name
         if direct:
             needed = 1
         else:
@@ -152,8 +98,8 @@ class _RematModel:
             m.Add(L >= max(direct))
         for c in rc_readers:
             m.Add(L >= self.N[c]).OnlyEnforceIf(self.r[c])
-        size = self._units(t.bytes)
-        prod = t.producer
+        size = self._units(self.p.tensors[act.tensor].bytes)
+        prod = act.producer
         if prod in self.r:
             rc = self.r[prod]
             if direct:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from .problem import Phase, Problem, Schedule, TensorKind
@@ -96,19 +97,22 @@ def greedy_recompute(
     fw_order: list[int] | None = None,
     bw_order: list[int] | None = None,
     max_rounds: int | None = None,
+    start: set[int] | None = None,
+    deadline: float | None = None,
 ) -> Schedule:
     """Recompute saved activations, best bytes-per-second first, until the simulated peak fits.
 
     Each round scores every saved activation live at the current peak by
     (bytes freed at the peak) / (recompute time), recomputes the best one's producer,
     and re-simulates. Returns the lowest-peak schedule seen if the budget is never met.
+    `start`: recomputations to begin from; `deadline`: a time.perf_counter() to stop at.
     """
     fw_order = list(fw_order) if fw_order is not None else [o.id for o in problem.fw_ops]
     bw_order = list(bw_order) if bw_order is not None else [o.id for o in problem.bw_ops]
     candidates = set(recompute_candidates(problem))
-    chosen: set[int] = set()
+    chosen: set[int] = set(start or ())
     best = place_recomputes(problem, fw_order, bw_order, chosen)
-    if budget is None:  # no budget: nothing is worth recomputing
+    if budget is None and not chosen:  # no budget: nothing is worth recomputing
         return best
     best_peak = simulate(problem, best).peak_bytes
     sched, sim = best, simulate(problem, best)
@@ -116,6 +120,8 @@ def greedy_recompute(
     for _ in range(rounds):
         if budget is not None and sim.peak_bytes <= budget:
             return sched
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         k = sim.peak_step
         at_peak = [lt for lt in sim.lifetimes if lt.start <= k <= lt.end and not lt.recomputed and lt.tensor in sim.saved]
         scored = []
@@ -162,3 +168,26 @@ def lower_bound_peak(problem: Problem) -> int:
         best = max(best, act(op.inputs + op.outputs))
     return inputs + best
 
+
+
+def prune_recomputes(
+    problem: Problem,
+    budget: int,
+    fw_order: list[int],
+    bw_order: list[int],
+    recompute: set[int],
+    deadline: float | None = None,
+) -> set[int]:
+    """Drop recomputations the budget does not need, most expensive first, checking each with the simulator.
+
+    Models that count memory conservatively (or repairs that add margins) leave some
+    recomputation that buys nothing; this takes it back.
+    """
+    chosen = set(recompute)
+    for o in sorted(chosen, key=lambda o: -problem.ops[o].time_s):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        trial = chosen - {o}
+        if simulate(problem, place_recomputes(problem, fw_order, bw_order, trial)).peak_bytes <= budget:
+            chosen = trial
+    return chosen

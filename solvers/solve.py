@@ -13,12 +13,15 @@ from dataclasses import dataclass
 
 from .cpsat_order import solve_order
 from .cpsat_remat import min_peak_remat, solve_remat
-from .heuristics import greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes
+from .heuristics import greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes, prune_recomputes
 from .problem import Problem, Schedule, SolveStats, default_schedule
+from .cpsat_bound import solve_bound_and_repair
+from .progress import ProgressLine
 from .reorder import base_orders, refine_order
 from .simulator import SimResult, simulate
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
+INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 
 
 class BudgetInfeasibleError(Exception):
@@ -58,20 +61,36 @@ def solve(
     *,
     time_limit_s: float = 5.0,
     workers: int | None = None,
+    progress: bool = False,
 ) -> Solution:
-    """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak)."""
+    """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak).
+
+    Training steps of up to INTERVAL_MODEL_MAX_OPS ops use the interval model
+    (exact liveness, conservative placement) alternated with reordering; larger ones
+    the relaxation-and-repair model. Either way the reported bound comes from the
+    relaxation for the order the plan runs in, so the gap is valid for that order.
+    """
     t0 = time.perf_counter()
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
+    line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress)
     if problem.has_backward:
-        best, stats, lowest = _solve_training(problem, budget_bytes, time_limit_s, workers)
+        search_s = 0.8 * time_limit_s
+        if len(problem.ops) <= INTERVAL_MODEL_MAX_OPS:
+            best, stats, lowest = _solve_training(problem, budget_bytes, search_s, workers)
+        else:
+            best, stats, lowest = _solve_training_scalable(problem, budget_bytes, search_s, workers, line)
+        if best is not None and budget_bytes is not None and stats.status != "OPTIMAL":
+            _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
     else:
         best, stats = _solve_forward_only(problem, time_limit_s, workers)
         lowest = simulate(problem, best).peak_bytes
     if best is None or not _fits(simulate(problem, best), budget_bytes):
+        line.close()
         raise BudgetInfeasibleError(budget_bytes or 0, lowest, lower)
     stats.wall_s = time.perf_counter() - t0
+    line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
     return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
 
 
@@ -195,7 +214,8 @@ def _remat_candidates(
     res = solve_remat(problem, fw_order, bw_order, budget, time_limit_s=max(0.2, time_s), workers=workers, hint=hint)
     if res is None or res.status == "INFEASIBLE":
         return out
-    sched = place_recomputes(problem, fw_order, bw_order, res.recompute)
+    kept = prune_recomputes(problem, budget, fw_order, bw_order, res.recompute) if budget is not None else res.recompute
+    sched = place_recomputes(problem, fw_order, bw_order, kept)
     sim = simulate(problem, sched)
     base_s = sum(problem.ops[o].time_s for o in fw_order + bw_order)
     bound = base_s + res.bound_s
@@ -210,3 +230,93 @@ def _remat_candidates(
     )
     out.append(_Candidate(sched, sim, stats))
     return out
+
+
+def _step_profile(problem: Problem, fw_order: list[int], bw_order: list[int], budget: int):
+    """For the relaxation's repair: simulated live bytes per model step, or None when the plan fits."""
+
+    def run(recompute: set[int]) -> list[int] | None:
+        sim = simulate(problem, place_recomputes(problem, fw_order, bw_order, recompute))
+        if sim.peak_bytes <= budget:
+            return None
+        per_step, j = [], -1
+        for k, (o, is_rc) in enumerate(sim.steps):
+            if k < sim.n_forward_steps:
+                per_step.append(sim.timeline[k])
+                continue
+            if not per_step or len(per_step) == sim.n_forward_steps + j + 1:
+                per_step.append(0)
+            per_step[-1] = max(per_step[-1], sim.timeline[k])
+            if not is_rc:
+                j += 1
+        return per_step
+
+    return run
+
+
+def _solve_training_scalable(
+    problem: Problem, budget: int | None, time_limit_s: float, workers: int, line: ProgressLine
+) -> tuple[Schedule | None, SolveStats, int]:
+    """Relaxation + repair in the program's order, a greedy finish if needed, then reordering."""
+    deadline = time.perf_counter() + time_limit_s
+    fw = [o.id for o in problem.fw_ops]
+    bw = [o.id for o in problem.bw_ops]
+    base_s = sum(o.time_s for o in problem.ops)
+    if budget is None:
+        sched = default_schedule(problem)
+        sim = simulate(problem, sched)
+        return sched, SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed"), sim.peak_bytes
+    res = solve_bound_and_repair(
+        problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+        time_limit_s=0.6 * time_limit_s, workers=workers,
+        on_solution=lambda obj, bound: line.update(base_s + obj, base_s + bound),
+    )
+    chosen = set(res.recompute) if res is not None else set()
+    line.note("repairing with the greedy heuristic")
+    sched = greedy_recompute(problem, budget, fw, bw, start=chosen, deadline=deadline)
+    if simulate(problem, sched).peak_bytes <= budget:
+        line.note("dropping recomputations the budget does not need")
+        kept = prune_recomputes(problem, budget, fw, bw, set(sched.recomputed(problem)), deadline=deadline)
+        sched = place_recomputes(problem, fw, bw, kept)
+    sim = simulate(problem, sched)
+    bound = base_s + (res.bound_s if res is not None else 0.0)
+    method = "cp-sat relaxation + repair, program order"
+    if res is not None and set(sim.recomputed_ops) != chosen:
+        method += " + greedy"
+    stats = SolveStats(
+        status="FEASIBLE" if res is not None else "HEURISTIC",
+        objective_s=sim.time_s,
+        bound_s=bound,
+        gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s else 0.0,
+        wall_s=0.0,
+        method=method,
+        notes=[f"relaxation {res.status}, {res.rounds} rounds" if res is not None else "relaxation found nothing"],
+    )
+    best = _Candidate(sched, sim, stats) if _fits(sim, budget) else None
+    lowest = _Candidate(sched, sim, stats)
+    left = deadline - time.perf_counter()
+    if left > 0.5:
+        line.note("reordering around the peak")
+        base = best or lowest
+        refined = refine_order(problem, base.schedule, time_limit_s=0.5 * left, workers=workers)
+        rsim = simulate(problem, refined)
+        best, lowest = _keep(best, lowest, _Candidate(refined, rsim, stats), budget)
+    if best is None:
+        return None, stats, lowest.sim.peak_bytes
+    return best.schedule, best.stats, lowest.sim.peak_bytes
+
+
+def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:
+    """Replace the bound with the relaxation's for the plan's own order: valid for every plan in that order."""
+    if time_s <= 0.05:
+        return
+    fw, bw = base_orders(problem, schedule)
+    res = solve_bound_and_repair(problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1)
+    if res is None or res.status in ("UNKNOWN", "MODEL_INVALID"):
+        return
+    bound = sum(problem.ops[o].time_s for o in fw + bw) + res.bound_s
+    stats.bound_s = bound
+    stats.gap = max(0.0, (stats.objective_s - bound) / stats.objective_s) if stats.objective_s else 0.0
+    if stats.gap <= 1e-9:
+        stats.status = "OPTIMAL"
+    stats.notes.append("bound: relaxation over plans in this order")

@@ -1,0 +1,155 @@
+"""CP-SAT on a relaxation: a valid lower bound, and plans for graphs too large for the interval model.
+
+For a fixed op order, count at every step only what is *surely* live under a
+decision: a saved activation from its last forward use to its last direct backward
+reader (at least to the end of the forward), a recomputed one across its direct
+backward readers, and the fixed profile. Every real plan in that order has at
+least this much live, so the least recompute time under the budget in this model
+bounds every plan in that order from below. The model is a 0-1 program with one
+constraint per step that can bind, so it scales to thousands of ops.
+
+Its solution may not fit when simulated (recomputation chains and transients are
+not counted). `solve_bound_and_repair` adds, per step, what the simulator saw and
+the model did not, and solves again until a plan fits; only the first solve's
+bound is reported as the bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from .cpsat_remat import NS, memory_unit
+from .liveness import OrderedProblem
+from .problem import Problem
+
+
+@dataclass
+class BoundResult:
+    recompute: set[int]  # the last (repaired) solution
+    status: str  # of the first solve: OPTIMAL means bound_s is the relaxation's optimum
+    bound_s: float  # valid lower bound on the recompute time of any plan in this order
+    fits: bool  # whether `recompute` fits when simulated
+    rounds: int
+    wall_s: float
+
+
+class _BoundModel:
+    def __init__(self, problem: Problem, fw_order: list[int], bw_order: list[int]):
+        self.p = problem
+        self.o = OrderedProblem(problem, fw_order, bw_order, optimistic_reuse=True)
+        self.unit = memory_unit(problem)
+        # per step: (units, tensor, True) for "saved", (units, producer op, False) for "recomputed"
+        self.terms: list[list[tuple[int, int, bool]]] = [[] for _ in range(self.o.T)]
+        for act in self.o.activations:
+            units = -(-problem.tensors[act.tensor].bytes // self.unit)
+            for k in range(act.fw_last + 1, max([self.o.F] + act.direct) + 1):
+                self.terms[k].append((units, act.tensor, True))
+            if act.direct and act.producer in self.o.candidates:
+                for k in range(min(act.direct), max(act.direct) + 1):
+                    self.terms[k].append((units, act.producer, False))
+
+    def fixed_units(self, k: int) -> int:
+        return -(-self.o.static[k] // self.unit)
+
+    def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None):
+        """A model with `margin` extra units at each step (all zero for the bound)."""
+        m = cp_model.CpModel()
+        r = {o: m.NewBoolVar(f"r{o}") for o in self.o.candidates}
+        saved = {}
+        for act in self.o.activations:
+            s = saved[act.tensor] = m.NewBoolVar(f"s{act.tensor}")
+            rp = r.get(act.producer, 0)
+            if act.direct:
+                m.Add(s + rp == 1)
+            else:
+                m.Add(s + rp <= 1)
+                for c in act.rc_readers:  # a recomputed reader needs it saved or recomputed
+                    m.Add(s + rp >= r[c])
+                m.Add(s <= sum(r[c] for c in act.rc_readers))
+        cap = budget_bytes // self.unit
+        for k, terms in enumerate(self.terms):
+            fixed = self.fixed_units(k) + margin[k]
+            if fixed + sum(u for u, _, _ in terms) <= cap:
+                continue  # can never bind
+            m.Add(fixed + sum(u * (saved[x] if is_saved else r[x]) for u, x, is_saved in terms) <= cap)
+        m.Minimize(sum(max(1, round(self.p.ops[o].time_s / NS)) * v for o, v in r.items()))
+        if hint is not None:
+            for o, v in r.items():
+                m.AddHint(v, o in hint)
+        return m, r
+
+    def model_units(self, k: int, recompute: set[int]) -> int:
+        """What this model counts at step k for a given recompute set."""
+        total = self.fixed_units(k)
+        for u, x, is_saved in self.terms[k]:
+            if is_saved:
+                prod = self.p.tensors[x].producer
+                total += u * (prod not in recompute)
+            else:
+                total += u * (x in recompute)
+        return total
+
+
+def solve_bound_and_repair(
+    problem: Problem,
+    fw_order: list[int],
+    bw_order: list[int],
+    budget_bytes: int,
+    simulate_steps: Callable[[set[int]], list[int] | None],
+    *,
+    time_limit_s: float = 10.0,
+    workers: int = 2,
+    hint: set[int] | None = None,
+    max_rounds: int = 8,
+    on_solution: Callable[[float, float], None] | None = None,
+) -> BoundResult | None:
+    """Bound the recompute time for this order, then repair the relaxation's plan until it fits.
+
+    `simulate_steps(recompute)` returns the simulated live bytes per model step (the
+    maximum over the steps a model step stands for), or None if the plan fits.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    model = _BoundModel(problem, fw_order, bw_order)
+    margin = [0] * model.o.T
+    bound_s, status0, chosen, fits = 0.0, "UNKNOWN", set(hint or ()), False
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        m, r = model.build(budget_bytes, margin, chosen if chosen else hint)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = left * (0.5 if rounds == 1 else 0.35)
+        solver.parameters.num_workers = workers
+        cb = _Progress(on_solution, NS) if on_solution else None
+        status = solver.Solve(m, cb) if cb else solver.Solve(m)
+        if rounds == 1:
+            status0 = solver.StatusName(status)
+            if status == cp_model.INFEASIBLE:
+                return BoundResult(set(), "INFEASIBLE", float("inf"), False, rounds, time.perf_counter() - t0)
+            bound_s = solver.BestObjectiveBound() * NS
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break
+        chosen = {o for o, v in r.items() if solver.Value(v)}
+        over = simulate_steps(chosen)
+        if over is None:
+            fits = True
+            break
+        for k, live in enumerate(over):  # count next time what the model missed where it overflowed
+            if live > budget_bytes:
+                margin[k] = max(margin[k], -(-live // model.unit) - model.model_units(k, chosen))
+    return BoundResult(chosen, status0, bound_s, fits, rounds, time.perf_counter() - t0)
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: Callable[[float, float], None], scale: float):
+        super().__init__()
+        self.report, self.scale = report, scale
+
+    def on_solution_callback(self) -> None:
+        self.report(self.ObjectiveValue() * self.scale, self.BestObjectiveBound() * self.scale)

@@ -1,0 +1,574 @@
+"""The torch-free core: simulator, heuristics, CP-SAT models and `solve`, on plain-data problems.
+
+No torch here: problems are built by hand, by `optsched.solvers.synthetic`, or drawn by
+hypothesis as small random training DAGs (forward ops, a loss, then backward ops that read
+forward activations). The simulator is the judge of every plan, so it is pinned down on
+examples computed by hand first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optsched.solvers import (
+    BudgetInfeasibleError,
+    Op,
+    Phase,
+    Problem,
+    Schedule,
+    ScheduleError,
+    Tensor,
+    TensorKind,
+    default_schedule,
+    simulate,
+    solve,
+)
+from optsched.solvers.cpsat_order import solve_order
+from optsched.solvers.cpsat_remat import solve_remat
+from optsched.solvers.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
+from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 2**20
+TIME_LIMIT_S = 1.0
+
+FUZZ = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,  # the same examples every run: a failure here is a bug, not bad luck
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# building problems
+
+
+class Builder:
+    """Tensors and ops with consistent ids, in the order a Problem wants them."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.ops: list[Op] = []
+
+    def tensor(self, name: str, nbytes: int, kind: TensorKind = TensorKind.INPUT) -> int:
+        self.tensors.append(Tensor(len(self.tensors), name, nbytes, kind))
+        return len(self.tensors) - 1
+
+    def op(
+        self,
+        name: str,
+        phase: Phase,
+        inputs,
+        out_bytes,
+        time_s: float = 1.0,
+        recomputable: bool = True,
+        reuse_input: int | None = None,
+    ) -> list[int]:
+        oid = len(self.ops)
+        outs = []
+        for k, nbytes in enumerate(out_bytes):
+            self.tensors.append(Tensor(len(self.tensors), f"{name}.{k}", nbytes, TensorKind.ACTIVATION, oid))
+            outs.append(len(self.tensors) - 1)
+        reuse = ((outs[0], reuse_input),) if reuse_input is not None else ()
+        self.ops.append(Op(oid, name, phase, tuple(dict.fromkeys(inputs)), tuple(outs), time_s, recomputable, reuse))
+        return outs
+
+    def problem(self, outputs) -> Problem:
+        return Problem(self.ops, self.tensors, frozenset(outputs), name="hand")
+
+
+def tiny_training_problem(*, act_recomputable: bool = True, loss_bw_reuses_y: bool = False) -> Problem:
+    """x(1000) w(10) -> mm -> h(200) -> act -> y(300) -> loss(1); backward mirrors it.
+
+    Op ids: 0 mm, 1 act, 2 loss | 3 loss_bw, 4 act_bw, 5 mm_bw.
+    Tensor ids: 0 x, 1 w, 2 h, 3 y, 4 L, 5 g (tangent), 6 gy, 7 gh, 8 gw.
+    """
+    b = Builder()
+    x = b.tensor("x", 1000)
+    w = b.tensor("w", 10)
+    (h,) = b.op("mm", Phase.FW, [x, w], [200], time_s=1.0)
+    (y,) = b.op("act", Phase.FW, [h], [300], time_s=0.5, recomputable=act_recomputable)
+    (loss,) = b.op("loss", Phase.FW, [y], [1], time_s=0.25)
+    g = b.tensor("g", 1, TensorKind.TANGENT)
+    (gy,) = b.op("loss_bw", Phase.BW, [g, y], [300], time_s=0.25, reuse_input=y if loss_bw_reuses_y else None)
+    (gh,) = b.op("act_bw", Phase.BW, [gy, h], [200], time_s=0.5)
+    (gw,) = b.op("mm_bw", Phase.BW, [gh, x], [10], time_s=1.0)
+    assert (h, y, loss, g, gy, gh, gw) == (2, 3, 4, 5, 6, 7, 8)
+    return b.problem([loss, gw])
+
+
+SIZES = (64, 128, 256, 512, 1024)
+TIMES = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3)
+MAX_OPS = 25
+
+
+@st.composite
+def training_problems(draw, max_fw: int = 10) -> Problem:
+    """A random training step of at most MAX_OPS ops.
+
+    Inputs (parameters); forward ops reading one or two recent values, some with two outputs,
+    a quarter not recomputable, some writing into a same-sized dying input (reuse); a scalar
+    loss; a tangent; backward ops each reading the running gradient plus up to two forward
+    activations, some producing a returned parameter gradient.
+    """
+    b = Builder()
+    params = [b.tensor(f"p{i}", draw(st.sampled_from(SIZES))) for i in range(draw(st.integers(1, 3)))]
+    pool = list(params)
+    acts: list[int] = []
+    n_fw = draw(st.integers(1, max_fw))
+    for i in range(n_fw):
+        ins = draw(st.lists(st.sampled_from(pool[-4:]), min_size=1, max_size=2, unique=True))
+        sizes = [draw(st.sampled_from(SIZES)) for _ in range(draw(st.sampled_from((1, 1, 1, 2))))]
+        reuse = None
+        if len(sizes) == 1 and draw(st.booleans()):
+            same = [t for t in ins if b.tensors[t].kind is TensorKind.ACTIVATION]
+            if same:
+                reuse = draw(st.sampled_from(same))
+                sizes = [b.tensors[reuse].bytes]
+        outs = b.op(
+            f"f{i}", Phase.FW, ins, sizes, draw(st.sampled_from(TIMES)),
+            recomputable=draw(st.integers(0, 3)) > 0, reuse_input=reuse,
+        )
+        pool += outs
+        acts += outs
+    (loss,) = b.op("loss", Phase.FW, [pool[-1]], [4], 1e-5)
+    outputs = {loss}
+    grad = b.tensor("tangent", 4, TensorKind.TANGENT)
+    n_bw = draw(st.integers(1, max(1, min(len(acts) + 1, MAX_OPS - len(b.ops)))))
+    for j in range(n_bw):
+        saved = draw(st.lists(st.sampled_from(acts), max_size=2, unique=True)) if acts else []
+        nbytes = draw(st.sampled_from(SIZES))
+        reuse = None
+        if draw(st.booleans()) and b.tensors[grad].kind is TensorKind.ACTIVATION:
+            reuse, nbytes = grad, b.tensors[grad].bytes
+        (g,) = b.op(f"b{j}", Phase.BW, [grad, *saved], [nbytes], draw(st.sampled_from(TIMES)), reuse_input=reuse)
+        if draw(st.integers(0, 2)) == 0:
+            outputs.add(g)  # a parameter gradient, returned by the step
+        else:
+            grad = g
+    outputs.add(grad)
+    problem = b.problem(outputs)
+    assert len(problem.ops) <= MAX_OPS
+    return problem
+
+
+def known_plans(problem: Problem, budget: int | None = None) -> list[Schedule]:
+    """Plans the library's heuristics make: the program itself, recompute-everything, greedy."""
+    plans = [default_schedule(problem), full_recompute(problem), greedy_recompute(problem, 0)]
+    if budget is not None:
+        plans.append(greedy_recompute(problem, budget))
+    return plans
+
+
+def inputs_bytes(problem: Problem) -> int:
+    return sum(t.bytes for t in problem.tensors if t.kind is TensorKind.INPUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# the core stays torch-free
+
+
+def test_solvers_import_without_torch():
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "import solvers, solvers.solve, solvers.synthetic, solvers.heuristics, solvers.cpsat_order, "
+        "solvers.cpsat_remat, solvers.cpsat_window, solvers.reorder; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code, str(REPO)], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) the simulator on examples computed by hand
+
+
+def test_simulate_default_schedule_by_hand():
+    p = tiny_training_problem()
+    sim = simulate(p, default_schedule(p))
+    # inputs 1010 all step; h [0,4], y [1,3], L [2,end], tangent [3,3], gy [3,4], gh [4,5], gw [5,5]
+    assert sim.timeline == [1210, 1510, 1511, 1812, 1711, 1221]
+    assert (sim.peak_bytes, sim.peak_step) == (1812, 3)
+    assert sim.time_s == pytest.approx(3.5)
+    assert sim.saved == [2, 3]
+    assert sim.recomputed_ops == [] and sim.recompute_s == 0
+    assert sim.reused == {}
+    assert sim.n_forward_steps == 3
+
+
+def test_simulate_recomputation_by_hand():
+    p = tiny_training_problem()
+    sim = simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
+    # y dies after the loss (step 2); its recomputed copy lives [3,4]; h lives to act_bw (step 5)
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1812, 1711, 1221]
+    assert sim.peak_bytes == 1812
+    assert sim.saved == [2]
+    assert sim.recomputed_ops == [1]
+    assert sim.recompute_s == pytest.approx(0.5)
+    assert sim.time_s == pytest.approx(4.0)
+    assert sim.spans[(3, False)] == (1, 2) and sim.spans[(3, True)] == (3, 4)
+    assert sim.steps[3] == (1, True)
+
+
+def test_simulate_reuse_in_forward_by_hand():
+    def build(*, reuse: bool, a_read_later: bool = False, a_is_output: bool = False) -> Problem:
+        b = Builder()
+        x = b.tensor("x", 1000)
+        (a,) = b.op("f0", Phase.FW, [x], [100])
+        (bb,) = b.op("f1", Phase.FW, [a], [100], reuse_input=a if reuse else None)
+        (c,) = b.op("f2", Phase.FW, [bb, x] + ([a] if a_read_later else []), [50])
+        return b.problem({c} | ({a} if a_is_output else set()))
+
+    p = build(reuse=True)
+    sim = simulate(p, default_schedule(p))
+    # f1 writes b into a's storage: a ends at step 0, so step 1 allocates nothing new
+    assert sim.timeline == [1100, 1100, 1150]
+    assert sim.reused == {1: 1}
+    assert sim.spans[(1, False)] == (0, 0)
+
+    p = build(reuse=False)
+    assert simulate(p, default_schedule(p)).timeline == [1100, 1200, 1150]
+
+    # a is still needed after f1: it does not die there, so no reuse
+    p = build(reuse=True, a_read_later=True)
+    sim = simulate(p, default_schedule(p))
+    assert sim.timeline == [1100, 1200, 1250]
+    assert sim.reused == {}
+
+    # a is returned by the step: the caller holds it, so no reuse either
+    p = build(reuse=True, a_is_output=True)
+    sim = simulate(p, default_schedule(p))
+    assert sim.timeline == [1100, 1200, 1250]
+    assert sim.reused == {}
+
+
+def test_simulate_reuse_in_backward_by_hand():
+    p = tiny_training_problem(loss_bw_reuses_y=True)
+    sim = simulate(p, default_schedule(p))
+    # loss_bw writes gy into y (its last reader): y ends at step 2
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1711, 1221]
+    assert (sim.peak_bytes, sim.peak_step) == (1711, 4)
+    assert sim.reused == {3: 3}
+
+
+def test_simulate_reuse_of_a_recomputed_copy_by_hand():
+    p = tiny_training_problem(loss_bw_reuses_y=True)
+    sim = simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
+    # the recomputed copy of y, not the forward one, dies at loss_bw and is taken over
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1512, 1711, 1221]
+    assert sim.reused == {4: 3}
+    assert sim.spans[(3, True)] == (3, 3)
+
+
+def test_saved_counts_an_activation_whose_storage_its_backward_reader_takes_over():
+    # y is made in the forward and read by loss_bw in the backward: it is saved, whether or
+    # not loss_bw then writes its output into y's storage
+    plain = tiny_training_problem()
+    reusing = tiny_training_problem(loss_bw_reuses_y=True)
+    assert simulate(plain, default_schedule(plain)).saved == [2, 3]
+    assert simulate(reusing, default_schedule(reusing)).saved == [2, 3]
+
+
+def test_simulate_forward_only_by_hand():
+    p = parallel_paths_problem(n_paths=2, nbytes=100)
+    sim = simulate(p, default_schedule(p))
+    # inputs t0_0, t0_1, a: 300. Program order runs stage by stage across both paths:
+    # relu1_0, relu1_1, mm1_0, mm1_1, relu2_0, relu2_1, mm2_0, mm2_1; from step 2 on, three
+    # 100-byte temporaries are live at every step (two of the previous stage, one new)
+    assert sim.timeline == [400, 500, 600, 600, 600, 600, 600, 600]
+    assert (sim.peak_bytes, sim.peak_step) == (600, 2)
+    assert sim.saved == []  # nothing crosses into a backward that does not exist
+
+
+def test_simulate_a_program_without_ops():
+    # what a function made only of views becomes: no ops, the inputs still held
+    empty = Problem([], [Tensor(0, "x", 64, TensorKind.INPUT)], frozenset())
+    sim = simulate(empty, Schedule([], []))
+    assert sim.peak_bytes == 64
+    assert sim.time_s == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) invalid schedules are rejected
+
+
+def _chain_orders():
+    p = chain_training_problem(n_layers=3)
+    return p, [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda fw, bw: (fw[:-1], bw), id="forward-op-missing"),
+        pytest.param(lambda fw, bw: (fw[1:], bw), id="first-forward-op-missing"),
+        pytest.param(lambda fw, bw: (fw, bw[:-1]), id="backward-op-missing"),
+        pytest.param(lambda fw, bw: (fw, []), id="backward-empty"),
+        pytest.param(lambda fw, bw: (fw + [bw[0]], bw[1:]), id="backward-op-in-forward"),
+        pytest.param(lambda fw, bw: (fw + [fw[0]], bw), id="forward-op-twice"),
+        pytest.param(lambda fw, bw: (fw, bw + [bw[0]]), id="backward-op-twice"),
+        pytest.param(lambda fw, bw: (fw, [fw[0], fw[0]] + bw), id="recomputed-twice"),
+        pytest.param(lambda fw, bw: ([fw[1], fw[0]] + fw[2:], bw), id="forward-reads-before-producing"),
+        pytest.param(lambda fw, bw: (fw, [bw[1], bw[0]] + bw[2:]), id="backward-reads-before-producing"),
+        pytest.param(lambda fw, bw: (fw, bw[::-1]), id="backward-reversed"),
+    ],
+)
+def test_simulator_rejects_invalid_schedules(make):
+    p, fw, bw = _chain_orders()
+    fw2, bw2 = make(list(fw), list(bw))
+    with pytest.raises(ScheduleError):
+        simulate(p, Schedule(fw2, bw2))
+
+
+def test_simulator_rejects_recomputing_a_non_recomputable_op():
+    p = tiny_training_problem(act_recomputable=False)
+    assert simulate(p, default_schedule(p)).peak_bytes == 1812  # fine without recomputing it
+    with pytest.raises(ScheduleError, match="act"):
+        simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
+
+
+def test_simulator_rejects_reading_a_value_the_schedule_never_made():
+    # a recomputation reads the forward's h; with mm missing from the forward nothing made it
+    p = tiny_training_problem()
+    with pytest.raises(ScheduleError):
+        simulate(p, Schedule([1, 2], [0, 3, 4, 5]))
+
+
+def test_schedule_error_is_a_value_error():
+    assert issubclass(ScheduleError, ValueError)
+
+
+def test_problem_validation_rejects_malformed_problems():
+    b = Builder()
+    x = b.tensor("x", 10)
+    g = b.tensor("g", 4, TensorKind.TANGENT)
+    b.op("f", Phase.FW, [x, g], [10])
+    with pytest.raises(ValueError, match="tangent"):
+        b.problem(set())
+    b = Builder()
+    x = b.tensor("x", 10)
+    b.op("bw", Phase.BW, [x], [10])
+    b.op("fw", Phase.FW, [x], [10])
+    with pytest.raises(ValueError, match="after a backward op"):
+        b.problem(set())
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) the seed functions' problem: the exact order model finds the 0.75 MiB order
+
+
+def test_seed_paths_problem_program_order_peaks_at_2_75_mib():
+    p = parallel_paths_problem()
+    assert simulate(p, default_schedule(p)).peak_bytes - inputs_bytes(p) == 11 * MiB // 4
+
+
+@pytest.mark.parametrize("hint", ["none", "program order"])
+def test_exact_order_model_reaches_0_75_mib_on_the_seed_paths(hint):
+    p = parallel_paths_problem()
+    program = [o.id for o in p.fw_ops]
+    res = solve_order(p, hint=None if hint == "none" else program, time_limit_s=20, workers=2)
+    assert res is not None
+    above = inputs_bytes(p)
+    assert res.peak_bytes - above == 3 * MiB // 4
+    assert simulate(p, Schedule(res.order, [])).peak_bytes - above == 3 * MiB // 4
+    assert sorted(res.order) == program
+    if res.status == "OPTIMAL":
+        assert res.bound_bytes == res.peak_bytes  # proven: no order does better
+
+
+def test_solve_plans_the_seed_paths_at_0_75_mib():
+    p = parallel_paths_problem()
+    above = inputs_bytes(p)
+    sol = solve(p, None, time_limit_s=5)
+    assert sol.sim.peak_bytes - above == 3 * MiB // 4
+    assert sol.sim.time_s == pytest.approx(simulate(p, default_schedule(p)).time_s)
+    assert solve(p, above + 3 * MiB // 4, time_limit_s=5).sim.peak_bytes - above == 3 * MiB // 4
+    with pytest.raises(BudgetInfeasibleError) as info:
+        solve(p, above + 3 * MiB // 4 - 1, time_limit_s=5)
+    e = info.value
+    assert e.budget_bytes == above + 3 * MiB // 4 - 1
+    assert e.lowest_peak_bytes == above + 3 * MiB // 4
+    assert e.lower_bound_bytes == above + 3 * MiB // 4  # the bound is tight here
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) never over budget; infeasibility reported with consistent numbers
+
+
+def check_solve_under_budget(problem: Problem, budget: int) -> None:
+    lb = lower_bound_peak(problem)
+    try:
+        sol = solve(problem, budget, time_limit_s=TIME_LIMIT_S)
+    except BudgetInfeasibleError as e:
+        assert e.budget_bytes == budget
+        assert e.lowest_peak_bytes > budget
+        assert e.lower_bound_bytes == lb
+        # it found nothing: then no plan its own heuristics make may fit either
+        for plan in known_plans(problem, budget):
+            assert simulate(problem, plan).peak_bytes >= e.lowest_peak_bytes
+        # the lowest peak it reports is a budget it can meet
+        again = solve(problem, e.lowest_peak_bytes, time_limit_s=TIME_LIMIT_S)
+        assert again.sim.peak_bytes <= e.lowest_peak_bytes
+        return
+    replay = simulate(problem, sol.schedule)
+    assert replay.peak_bytes <= budget
+    assert sol.sim.peak_bytes == replay.peak_bytes
+    assert sol.sim.time_s == pytest.approx(replay.time_s)
+    assert sol.budget_bytes == budget
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.0, 1.0))
+def test_solve_never_exceeds_the_budget_on_random_problems(problem, frac):
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    floor = inputs_bytes(problem)
+    check_solve_under_budget(problem, int(floor + frac * (base - floor)))
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.0, 1.0))
+def test_solve_meets_every_budget_its_heuristics_meet(problem, frac):
+    peaks = sorted(simulate(problem, s).peak_bytes for s in known_plans(problem))
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    budget = int(peaks[0] + frac * (base - peaks[0]))
+    sol = solve(problem, budget, time_limit_s=TIME_LIMIT_S)
+    assert simulate(problem, sol.schedule).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.9, 0.7, 0.5, 0.45, 0.3, 0.1])
+def test_solve_never_exceeds_the_budget_on_the_chain(frac):
+    p = chain_training_problem()
+    check_solve_under_budget(p, int(frac * simulate(p, default_schedule(p)).peak_bytes))
+
+
+def test_budget_below_the_lower_bound_is_infeasible():
+    p = chain_training_problem()
+    lb = lower_bound_peak(p)
+    with pytest.raises(BudgetInfeasibleError) as info:
+        solve(p, lb - 1, time_limit_s=TIME_LIMIT_S)
+    e = info.value
+    assert e.budget_bytes == lb - 1 < e.lower_bound_bytes == lb <= e.lowest_peak_bytes
+    assert "MiB" in str(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) without a budget: never slower than the program as captured
+
+
+@FUZZ
+@given(training_problems())
+def test_no_budget_is_never_slower_than_the_program(problem):
+    base = simulate(problem, default_schedule(problem))
+    sol = solve(problem, None, time_limit_s=TIME_LIMIT_S)
+    assert sol.sim.time_s <= base.time_s * (1 + 1e-12)
+    # fastest first, then lowest peak among the fastest: the program itself is one of the fastest
+    if sol.sim.time_s == pytest.approx(base.time_s, rel=1e-12):
+        assert sol.sim.peak_bytes <= base.peak_bytes
+    assert sol.baseline.peak_bytes == base.peak_bytes
+
+
+@pytest.mark.parametrize("problem", [chain_training_problem(), parallel_paths_problem()], ids=["chain", "paths"])
+def test_no_budget_on_synthetic_problems(problem):
+    base = simulate(problem, default_schedule(problem))
+    sol = solve(problem, None, time_limit_s=2)
+    assert sol.sim.time_s == pytest.approx(base.time_s)
+    assert sol.sim.recomputed_ops == []
+    assert sol.sim.peak_bytes <= base.peak_bytes
+    assert sol.stats.gap >= 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) the lower bound is below every plan
+
+
+def test_lower_bound_with_reuse_minimal():
+    # f1 writes its output into its dying input, so its operands need 128 bytes, not 256:
+    # the program peaks at 64 + 128, and a bound of 64 + 256 would be no bound
+    b = Builder()
+    x = b.tensor("x", 64)
+    (a,) = b.op("f0", Phase.FW, [x], [128])
+    (y,) = b.op("f1", Phase.FW, [a], [128], reuse_input=a)
+    p = b.problem({y})
+    assert simulate(p, default_schedule(p)).peak_bytes == 64 + 128
+    assert lower_bound_peak(p) <= 64 + 128
+
+
+@settings(FUZZ, max_examples=300)  # simulation only: cheap, so many examples
+@given(training_problems())
+def test_lower_bound_is_below_every_heuristic_plan(problem):
+    lb = lower_bound_peak(problem)
+    assert lb >= inputs_bytes(problem)
+    for plan in known_plans(problem):
+        assert lb <= simulate(problem, plan).peak_bytes
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.0, 1.0))
+def test_lower_bound_is_below_solved_plans(problem, frac):
+    lb = lower_bound_peak(problem)
+    assert lb <= solve(problem, None, time_limit_s=TIME_LIMIT_S).sim.peak_bytes
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    try:
+        sol = solve(problem, int(lb + frac * (base - lb)), time_limit_s=TIME_LIMIT_S)
+    except BudgetInfeasibleError as e:
+        assert e.lower_bound_bytes == lb <= e.lowest_peak_bytes
+    else:
+        assert lb <= sol.sim.peak_bytes
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.7, 0.5])
+def test_lower_bound_is_below_plans_on_the_chain(frac):
+    p = chain_training_problem()
+    lb = lower_bound_peak(p)
+    base = simulate(p, default_schedule(p)).peak_bytes
+    sol = solve(p, int(frac * base), time_limit_s=TIME_LIMIT_S)
+    assert sol.lower_bound_bytes == lb <= sol.sim.peak_bytes
+    for plan in known_plans(p):
+        assert lb <= simulate(p, plan).peak_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) CP-SAT is never slower than the greedy heuristic at the same budget
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.0, 1.0))
+def test_solve_is_no_slower_than_greedy_on_random_problems(problem, frac):
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    low = min(simulate(problem, s).peak_bytes for s in known_plans(problem))
+    budget = int(low + frac * (base - low))
+    greedy = simulate(problem, greedy_recompute(problem, budget))
+    sol = solve(problem, budget, time_limit_s=TIME_LIMIT_S)
+    if greedy.peak_bytes <= budget:
+        assert sol.sim.time_s <= greedy.time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("frac", [0.9, 0.8, 0.7, 0.6, 0.5])
+def test_cpsat_beats_greedy_on_the_chain(frac):
+    p = chain_training_problem()
+    fw, bw = [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
+    budget = int(frac * simulate(p, default_schedule(p)).peak_bytes)
+    greedy = simulate(p, greedy_recompute(p, budget))
+    assert greedy.peak_bytes <= budget
+
+    res = solve_remat(p, fw, bw, budget, time_limit_s=5, workers=2)
+    assert res is not None and res.status in ("OPTIMAL", "FEASIBLE")
+    cp = simulate(p, place_recomputes(p, fw, bw, res.recompute))
+    assert cp.peak_bytes <= budget  # the model is conservative: its plans replay within budget
+    assert cp.time_s <= greedy.time_s * (1 + 1e-12)
+    assert res.bound_s <= res.recompute_s + 1e-12
+
+    sol = solve(p, budget, time_limit_s=5)
+    assert sol.sim.time_s <= greedy.time_s * (1 + 1e-12)
+    # greedy recomputes one more pointwise op than the budget needs (act7, the last layer's,
+    # whose recomputation frees nothing at the peak): CP-SAT finds the strictly faster plan
+    assert sol.sim.time_s < greedy.time_s
+    assert sol.stats.method.startswith("cp-sat")
+    if sol.stats.status == "OPTIMAL":
+        assert sol.stats.gap == pytest.approx(0, abs=1e-9)

@@ -16,7 +16,6 @@ from .costs import DeviceProfile
 from .plan import Plan
 from .solvers import BudgetInfeasibleError
 
-DEFAULT_TIME_LIMIT_S = 5.0
 
 
 def _own_code(call: Callable) -> Callable:
@@ -69,6 +68,7 @@ def optimize(
     example_inputs: tuple | list | None = None,
     device_profile: str | DeviceProfile | None = None,
     time_limit_s: float | None = None,
+    progress: bool = False,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -81,24 +81,25 @@ def optimize(
     parameters, buffers and submodules. Planning happens at the first call, or at
     once when `example_inputs` are given (one forward is run on them and discarded).
     The plan is `result.plan`. A budget no plan can meet raises BudgetInfeasibleError.
+
+    time_limit_s: planning time limit; by default the larger of 5 s and 0.02 s per op.
+    progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
     """
     budget = parse_budget(mem_budget)
-    if time_limit_s is None:
-        time_limit_s = DEFAULT_TIME_LIMIT_S
-    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+    if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
 
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
-        backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(target, p))
+        backend = PlanningBackend(budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress)
         target.plan = None
         compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
         target._compiled_call_impl = _unwrap_errors(compiled)
     else:
         holder: dict[str, OptimizedFunction] = {}
-        backend = PlanningBackend(budget, device_profile, float(time_limit_s), lambda p: _set_plan(holder["f"], p))
+        backend = PlanningBackend(budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress)
         compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
         target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))
 

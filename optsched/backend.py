@@ -9,6 +9,9 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 from .budget import Budget
+
+DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
+DEFAULT_S_PER_OP = 0.02
 from .costs import DeviceProfile, get_profile, measure_node_times
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
@@ -32,13 +35,15 @@ class PlanningBackend:
         self,
         budget: Budget,
         device_profile: str | DeviceProfile | None,
-        time_limit_s: float,
+        time_limit_s: float | None,
         on_plan: Callable[[Plan], None],
+        progress: bool = False,
     ):
         self.budget = budget
         self.device_profile = device_profile
         self.time_limit_s = time_limit_s
         self.on_plan = on_plan
+        self.progress = progress
         self.profile: DeviceProfile | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -62,10 +67,13 @@ class PlanningBackend:
     def _times(self, gm: fx.GraphModule) -> dict[str, float] | None:
         return measure_node_times(gm, self.device) if self.measure else None
 
-    def _plan(self, problem) -> Plan:
+    def _plan(self, problem, graph_nodes: int) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
         budget_bytes = self.budget.resolve(baseline.peak_bytes)
-        sol = solve(problem, budget_bytes, time_limit_s=self.time_limit_s)
+        limit = self.time_limit_s
+        if limit is None:  # grows with the graph: planning stays a small share of compile time
+            limit = max(DEFAULT_TIME_LIMIT_S, DEFAULT_S_PER_OP * len(problem.ops))
+        sol = solve(problem, budget_bytes, time_limit_s=limit, progress=self.progress)
         plan = Plan(
             problem=problem,
             schedule=sol.schedule,
@@ -77,6 +85,7 @@ class PlanningBackend:
             lower_bound_bytes=sol.lower_bound_bytes,
             profile=self.profile,
             timing="measured" if self.measure else "roofline",
+            graph_nodes=graph_nodes,
         )
         self.on_plan(plan)
         return plan
@@ -84,12 +93,12 @@ class PlanningBackend:
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)
         built = build_problem(jg, self.profile, name="training step", measured=self._times(joint))
-        plan = self._plan(built.problem)
+        plan = self._plan(built.problem, len(joint.graph.nodes))
         fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule, plan.sim.reused)
         return fw, bw
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)
         built = build_problem(jg, self.profile, name="forward", measured=self._times(gm))
-        plan = self._plan(built.problem)
+        plan = self._plan(built.problem, len(gm.graph.nodes))
         return boxed(lower_inference(jg, built.nodes, plan.schedule, plan.sim.reused))

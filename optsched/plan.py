@@ -23,6 +23,7 @@ SUMMARY_KEYS = {
     "gap": "(objective - bound) / objective",
     "solve_time_s": "wall time of planning",
     "method": "which model or heuristic produced the plan",
+    "graph_nodes": "fx nodes in the captured graph (views, getitems, placeholders included)",
     "n_ops": "ops in the captured graph (views excluded)",
     "n_forward_ops": "forward ops",
     "n_backward_ops": "backward ops",
@@ -47,6 +48,7 @@ class Plan:
     lower_bound_bytes: int
     profile: DeviceProfile
     timing: str = "roofline"  # or "measured": op times measured on the planning device
+    graph_nodes: int = 0  # fx nodes of the captured graph, views and getitems included
 
     @property
     def kind(self) -> str:
@@ -90,6 +92,7 @@ class Plan:
             "gap": self.gap,
             "solve_time_s": self.solve_time_s,
             "method": self.stats.method,
+            "graph_nodes": self.graph_nodes,
             "n_ops": len(self.problem.ops),
             "n_forward_ops": len(self.problem.fw_ops),
             "n_backward_ops": len(self.problem.bw_ops),

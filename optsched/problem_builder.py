@@ -54,13 +54,15 @@ def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, s
     """The out= overload of an elementwise op with the same inputs, and its out argument's name."""
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
         return None
-    want = [a.name for a in target._schema.arguments]
+    want = [(a.name, str(a.type)) for a in target._schema.arguments]
     packet = target.overloadpacket
     for name in packet.overloads():
         cand = getattr(packet, name)
         args = cand._schema.arguments
         outs = [a for a in args if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only]
-        if len(outs) == 1 and [a.name for a in args if a is not outs[0]] == want and len(cand._schema.returns) == 1:
+        if len(outs) != 1 or len(cand._schema.returns) != 1:
+            continue
+        if [(a.name, str(a.type)) for a in args if a is not outs[0]] == want:
             return cand, outs[0].name
     return None
 

@@ -353,6 +353,8 @@ def test_budget_below_the_lower_bound_raises():
     s = optsched.optimize(module, None, example_inputs=inputs, time_limit_s=TIME_LIMIT_S).plan.summary()
     lb = s["lower_bound_bytes"]
     assert 0 < lb <= s["predicted_peak_bytes"] <= s["unplanned_peak_bytes"]
+    assert s["budget_bytes"] is None
+    assert s["estimated_time_s"] <= s["unplanned_time_s"]  # no budget: never slower than as captured
     with pytest.raises(BudgetInfeasibleError) as info:
         optsched.optimize(module, lb - 1, example_inputs=inputs, time_limit_s=TIME_LIMIT_S)
     e = info.value
@@ -410,6 +412,34 @@ def test_forward_only_function_of_views():
         assert torch.equal(opt(x), x.t()[1:])
 
 
+def test_unknown_device_profile_is_a_value_error():
+    opt = optsched.optimize(lambda x: torch.tanh(x).sum(), device_profile="tpu-v9", time_limit_s=TIME_LIMIT_S)
+    with pytest.raises(ValueError, match="a100"):  # names the known profiles
+        opt(torch.randn(4, requires_grad=True))
+
+
+def test_a_function_keeps_its_name_and_is_planned_again_for_new_shapes():
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def step(x):
+        """One step."""
+        return torch.tanh(x @ w).sum()
+
+    opt = optsched.optimize(step, None, time_limit_s=TIME_LIMIT_S)
+    assert (opt.__name__, opt.__doc__) == ("step", "One step.")
+    opt(torch.randn(4, 16)).backward()
+    first = opt.plan
+    w.grad = None
+    x = torch.randn(8, 16)
+    opt(x).backward()
+    assert opt.plan is not first
+    assert {t.bytes for t in opt.plan.problem.tensors if t.kind.value == "input"} == {8 * 16 * 4, 16 * 16 * 4}
+    got = w.grad.clone()
+    w.grad = None
+    step(x).backward()
+    assert torch.equal(got, w.grad)
+
+
 def test_roofline_profile_is_reported():
     module, inputs = ALL["tied_lm"]()
     opt = optsched.optimize(module, None, example_inputs=inputs, device_profile="a100", time_limit_s=TIME_LIMIT_S)
@@ -423,12 +453,16 @@ def test_roofline_profile_is_reported():
 # the benchmark model
 
 
-def test_gpt_at_55_percent_of_eager_peak():
+def _gpt_at(fraction: float):
     cfg = gpt.GPTConfig()
     model = gpt.build(cfg)
     inputs = gpt.make_batch(cfg, batch_size=8)
     eager = measure_training_step(model, model, inputs)
-    budget = int(0.55 * eager.peak_bytes)
+    return model, inputs, eager, int(fraction * eager.peak_bytes)
+
+
+def test_gpt_at_55_percent_of_eager_peak():
+    model, inputs, eager, budget = _gpt_at(0.55)
 
     opt = optsched.optimize(model, budget, example_inputs=inputs)  # the default time limit
     plan = opt.plan
@@ -437,6 +471,24 @@ def test_gpt_at_55_percent_of_eager_peak():
 
     planned = measure_training_step(opt, model, inputs)
     assert opt.plan is plan
+    assert planned.peak_bytes <= budget
+    assert abs(planned.peak_bytes - plan.predicted_peak_bytes) <= 0.01 * planned.peak_bytes
+    assert torch.equal(planned.loss, eager.loss)
+    _assert_same_grads(planned.grads, eager.grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fraction", [0.8, 0.45])
+def test_gpt_budget_sweep(fraction):
+    model, inputs, eager, budget = _gpt_at(fraction)
+    try:
+        opt = optsched.optimize(model, budget, example_inputs=inputs)
+    except BudgetInfeasibleError as e:
+        assert e.budget_bytes == budget < e.lowest_peak_bytes
+        assert e.lower_bound_bytes <= e.lowest_peak_bytes
+        pytest.skip(f"{fraction:.0%} is infeasible: lowest peak {e.lowest_peak_bytes / MiB:.2f} MiB")
+    plan = opt.plan
+    planned = measure_training_step(opt, model, inputs)
     assert planned.peak_bytes <= budget
     assert abs(planned.peak_bytes - plan.predicted_peak_bytes) <= 0.01 * planned.peak_bytes
     assert torch.equal(planned.loss, eager.loss)

@@ -441,6 +441,17 @@ def test_solve_meets_every_budget_its_heuristics_meet(problem, frac):
     assert simulate(problem, sol.schedule).peak_bytes <= budget
 
 
+@pytest.mark.slow
+@settings(FUZZ, max_examples=300)
+@given(training_problems(max_fw=12), st.floats(0.0, 1.0))
+def test_solve_never_exceeds_the_budget_long_fuzz(problem, frac):
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    floor = inputs_bytes(problem)
+    check_solve_under_budget(problem, int(floor + frac * (base - floor)))
+    sol = solve(problem, None, time_limit_s=TIME_LIMIT_S)
+    assert sol.sim.time_s <= simulate(problem, default_schedule(problem)).time_s * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("frac", [1.0, 0.9, 0.7, 0.5, 0.45, 0.3, 0.1])
 def test_solve_never_exceeds_the_budget_on_the_chain(frac):
     p = chain_training_problem()

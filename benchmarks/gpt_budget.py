@@ -90,8 +90,20 @@ def best_mincut_within(mincut: list[dict], budget: int) -> dict | None:
     return min(fits, key=lambda r: r["time_ratio"]) if fits else None
 
 
+def build_model(kind: str, layers: int, width: int, batch: int, seq: int):
+    torch.manual_seed(0)
+    if kind == "hf-gpt2":
+        from benchmarks.models import hf_gpt2
+
+        return hf_gpt2.build(n_layer=layers, n_embd=width, n_positions=seq), hf_gpt2.make_batch(batch, seq)
+    cfg = GPTConfig(n_layer=layers, n_embd=width, block_size=seq)
+    return build(cfg), make_batch(cfg, batch_size=batch, seq_len=seq)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt",
+                    help="the bundled nanoGPT-style model, or transformers' GPT2LMHeadModel (random weights)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
@@ -106,11 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.demo:
         args.repeat, args.no_mincut = 3, True
 
-    torch.manual_seed(0)
-    cfg = GPTConfig(n_layer=args.layers, n_embd=args.width, block_size=args.seq)
-    model = build(cfg)
-    inputs = make_batch(cfg, batch_size=args.batch, seq_len=args.seq)
-    print(f"GPT: {args.layers} layers, width {args.width}, batch {args.batch}, sequence {args.seq}, "
+    model, inputs = build_model(args.model, args.layers, args.width, args.batch, args.seq)
+    print(f"{args.model}: {args.layers} layers, width {args.width}, batch {args.batch}, sequence {args.seq}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
 
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     _print_table(eager, rows, mincut)
     result = {
-        "config": {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
+        "config": {"model": args.model, "layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
                    "threads": torch.get_num_threads(), "torch": torch.__version__},
         "eager": {k: v for k, v in eager.items() if k != "grads"},
         "optsched": rows,

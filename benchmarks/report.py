@@ -21,7 +21,7 @@ def gpt_table(d: dict) -> str:
     c = d["config"]
     e = d["eager"]
     lines = [
-        f"GPT {c['layers']} layers, width {c['width']}, batch {c['batch']}, sequence {c['seq']}, "
+        f"{c.get('model', 'gpt')}: {c['layers']} layers, width {c['width']}, batch {c['batch']}, sequence {c['seq']}, "
         f"torch {c['torch']}, {c['threads']} CPU threads. Eager peak {e['measured_peak_bytes'] / MIB:.2f} MiB.",
         "",
         "| budget | optsched predicted | optsched measured | fits | time vs eager | grads vs eager | plan s | status | gap "
@@ -63,7 +63,29 @@ def seed_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-TABLES = {"gpt": ("gpt_budget.json", gpt_table), "seed": ("seed_order.json", seed_table)}
+def scaling_table(d: dict) -> str:
+    c = d["config"]
+    lines = [
+        f"Width {c['width']}, batch {c['batch']}, sequence {c['seq']}, budget {c['fraction']:.0%} of the unplanned peak, "
+        f"{c['profile']} profile (roofline times), planned on 2 CPU cores.",
+        "",
+        "| layers | graph nodes | ops | plan s | s / layer | status | gap | unplanned peak | predicted peak | est. time vs unplanned |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in d["rows"]:
+        lines.append(f"| {r['layers']} | {r['graph_nodes']} | {r['ops']} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | "
+                     f"{r['status']} | {r['gap']:.2%} | {r['unplanned_peak_bytes'] / MIB:.1f} MiB | "
+                     f"{r['predicted_peak_bytes'] / MIB:.1f} MiB | {r['time_ratio']:.3f}x |")
+    return "\n".join(lines)
+
+
+TABLES = {
+    "gpt": ("gpt_budget.json", gpt_table),
+    "hf": ("hf_gpt2_budget.json", gpt_table),
+    "gpt12": ("gpt12_budget.json", gpt_table),
+    "seed": ("seed_order.json", seed_table),
+    "scaling": ("scaling.json", scaling_table),
+}
 
 
 def render(readme: str) -> str:

@@ -123,3 +123,20 @@ def _plan_now(target: Any, example_inputs: tuple) -> None:
         with torch.no_grad():
             for name, b in module.named_buffers():
                 b.copy_(buffers[name])
+
+
+def capture_problem(
+    fn_or_module: Callable | torch.nn.Module, example_inputs: tuple, *, device_profile: str | DeviceProfile | None = None
+):
+    """The planning `Problem` of one call (forward+backward when gradients are needed), without a budget.
+
+    For notebooks, tests and solver work: the torch-free problem that `optimize` would
+    hand to the solvers. Runs one forward on `example_inputs`.
+    """
+    problems = []
+    call = fn_or_module._call_impl if isinstance(fn_or_module, torch.nn.Module) else fn_or_module
+    backend = PlanningBackend(parse_budget(None), device_profile, 1.0, lambda plan: problems.append(plan.problem))
+    compiled = torch.compile(_own_code(call), backend=backend, fullgraph=True, dynamic=False)
+    with torch.random.fork_rng(devices=[]):
+        _unwrap_errors(compiled)(*example_inputs)
+    return problems[-1]

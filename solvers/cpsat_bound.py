@@ -106,11 +106,13 @@ def solve_bound_and_repair(
     hint: set[int] | None = None,
     max_rounds: int = 8,
     on_solution: Callable[[float, float], None] | None = None,
+    gap_s: float = 0.0,
 ) -> BoundResult | None:
     """Bound the recompute time for this order, then repair the relaxation's plan until it fits.
 
     `simulate_steps(recompute)` returns the simulated live bytes per model step (the
     maximum over the steps a model step stands for), or None if the plan fits.
+    `gap_s`: stop a solve once its objective is within this many seconds of its bound.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_s
@@ -126,13 +128,15 @@ def solve_bound_and_repair(
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = left * (0.5 if rounds == 1 else 0.35)
         solver.parameters.num_workers = workers
+        solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS) if on_solution else None
         status = solver.Solve(m, cb) if cb else solver.Solve(m)
         if rounds == 1:
             status0 = solver.StatusName(status)
             if status == cp_model.INFEASIBLE:
                 return BoundResult(set(), "INFEASIBLE", float("inf"), False, rounds, time.perf_counter() - t0)
-            bound_s = solver.BestObjectiveBound() * NS
+            # costs were rounded to whole ns (at least 1): take that slack off so the bound stays below
+            bound_s = max(0.0, solver.BestObjectiveBound() - len(model.o.candidates)) * NS
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         chosen = {o for o, v in r.items() if solver.Value(v)}

@@ -1,0 +1,133 @@
+"""The scalable strategy against the interval model and against brute force; large models end to end."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from optsched.api import capture_problem
+from optsched.solvers import simulate
+solve_mod = __import__("optsched.solvers", fromlist=["solve"]).solve
+from optsched.solvers.cpsat_bound import solve_bound_and_repair
+from optsched.solvers.heuristics import place_recomputes, recompute_candidates
+from optsched.solvers.problem import default_schedule
+from optsched.solvers.progress import ProgressLine
+from optsched.solvers.synthetic import chain_training_problem
+
+solve_module = __import__("optsched.solvers.solve", fromlist=["_"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_problem():
+    from benchmarks.models.gpt import GPTConfig, build, make_batch
+
+    cfg = GPTConfig(n_layer=2, n_embd=128, block_size=64)
+    return capture_problem(build(cfg), make_batch(cfg, batch_size=4, seq_len=64), device_profile="h100")
+
+
+def _orders(p):
+    return [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
+
+
+def _brute_force_best(p, budget):
+    """Fastest recompute set in the program order, by enumeration (tiny problems only)."""
+    fw, bw = _orders(p)
+    best = None
+    cands = recompute_candidates(p)
+    for k in range(len(cands) + 1):
+        for subset in itertools.combinations(cands, k):
+            sim = simulate(p, place_recomputes(p, fw, bw, set(subset)))
+            if sim.peak_bytes <= budget and (best is None or sim.time_s < best):
+                best = sim.time_s
+    return best
+
+
+@pytest.mark.parametrize("layers,frac", [(3, 0.8), (4, 0.65), (5, 0.7)])
+def test_relaxation_bound_is_valid_against_brute_force(layers, frac):
+    p = chain_training_problem(layers, seed=layers)
+    fw, bw = _orders(p)
+    base = simulate(p, default_schedule(p))
+    budget = int(frac * base.peak_bytes)
+    optimum = _brute_force_best(p, budget)
+    assert optimum is not None
+    res = solve_bound_and_repair(p, fw, bw, budget, lambda _r: None, time_limit_s=5, max_rounds=1)
+    bound = base.time_s + res.bound_s
+    assert bound <= optimum + 1e-12  # a lower bound, never above the true optimum
+    sol = solve_mod(p, budget, time_limit_s=5)
+    assert sol.sim.time_s >= optimum - 1e-12
+    assert sol.stats.bound_s <= optimum + 1e-12
+
+
+def test_scalable_plan_within_one_percent_of_interval_model(gpt2_problem):
+    p = gpt2_problem
+    base = simulate(p, default_schedule(p))
+    off = ProgressLine("test", enabled=False)
+    for frac in (0.85, 0.75):
+        budget = int(frac * base.peak_bytes)
+        exact, _, _ = solve_module._solve_training(p, budget, 6.0, 2)
+        scalable, stats, _ = solve_module._solve_training_scalable(p, budget, 6.0, 2, off)
+        t_exact = simulate(p, exact).time_s
+        t_scal = simulate(p, scalable).time_s
+        assert simulate(p, scalable).peak_bytes <= budget
+        assert t_scal <= 1.01 * t_exact, (frac, t_scal / t_exact)
+
+
+def test_scalable_path_on_a_long_chain_fits_and_reports_a_small_gap():
+    p = chain_training_problem(120, seed=3)
+    base = simulate(p, default_schedule(p))
+    budget = int(0.5 * base.peak_bytes)
+    sol = solve_mod(p, budget, time_limit_s=10)
+    assert len(p.ops) > solve_module.INTERVAL_MODEL_MAX_OPS
+    assert sol.sim.peak_bytes <= budget
+    assert 0.0 <= sol.stats.gap <= 0.02
+    assert sol.stats.bound_s <= sol.sim.time_s
+
+
+def test_progress_line_reports_to_stderr(capsys):
+    p = chain_training_problem(6)
+    base = simulate(p, default_schedule(p))
+    solve_mod(p, int(0.7 * base.peak_bytes), time_limit_s=2, progress=True)
+    err = capsys.readouterr().err
+    assert "planning" in err and "gap" in err
+
+
+@pytest.mark.slow
+def test_twelve_layer_plan_meets_its_budget_when_run():
+    import optsched
+    from benchmarks.models.gpt import GPTConfig, build, make_batch
+    from optsched.measure import measure_training_step
+
+    cfg = GPTConfig(n_layer=12, n_embd=128)
+    model = build(cfg)
+    inputs = make_batch(cfg, batch_size=8)
+    eager = measure_training_step(model, model, inputs)
+    budget = int(0.5 * eager.peak_bytes)
+    opt = optsched.optimize(model, budget, example_inputs=inputs)
+    got = measure_training_step(opt, model, inputs)
+    assert got.peak_bytes <= budget
+    assert abs(got.peak_bytes - opt.plan.predicted_peak_bytes) <= 0.01 * got.peak_bytes
+    for k in eager.grads:
+        assert torch.equal(got.grads[k], eager.grads[k]), k
+
+
+@pytest.mark.slow
+def test_hf_gpt2_meets_its_budget():
+    pytest.importorskip("transformers")
+    import optsched
+    from benchmarks.models import hf_gpt2
+    from optsched.measure import measure_training_step
+
+    model = hf_gpt2.build(n_layer=6, n_embd=256)
+    inputs = hf_gpt2.make_batch(batch_size=4)
+    eager = measure_training_step(model, model, inputs)
+    budget = int(0.6 * eager.peak_bytes)
+    opt = optsched.optimize(model, budget, example_inputs=inputs)
+    got = measure_training_step(opt, model, inputs)
+    assert got.peak_bytes <= budget
+    assert abs(got.peak_bytes - opt.plan.predicted_peak_bytes) <= 0.01 * got.peak_bytes
+    assert got.grads.keys() == eager.grads.keys()
+    for k in eager.grads:
+        assert torch.equal(got.grads[k], eager.grads[k]), k

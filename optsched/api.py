@@ -86,7 +86,7 @@ def optimize(
     progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
     """
     budget = parse_budget(mem_budget)
-    if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0)):
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")

@@ -145,13 +145,19 @@ def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None) ->
 
 
 def _assign_phases(jg: JointGraph) -> None:
-    """Forward = everything the forward outputs depend on; the rest runs in the backward."""
+    """Forward = everything the forward outputs and the forward's own input mutations
+    (buffer updates such as BatchNorm's running stats) depend on; the rest runs in the backward."""
     if not jg.is_training:
         for n in jg.compute:
             jg.phase[n] = Phase.FW
         return
+    from_tangents: set[fx.Node] = set(jg.tangents)
+    for n in jg.gm.graph.nodes:
+        if any(a in from_tangents for a in n.all_input_nodes):
+            from_tangents.add(n)
     needed: set[fx.Node] = set()
     stack = [o for o in jg.fw_outputs if isinstance(o, fx.Node)]
+    stack += [n for n in jg.compute if _is_mutating(n) and n not in from_tangents]
     while stack:
         n = stack.pop()
         if n in needed:

@@ -113,6 +113,9 @@ class _RematModel:
                 m.Add(saved + rc <= 1)
                 m.Add(saved >= needed - rc)
             self._optional(f"rc[{name}]", self.N[prod], L, rc, size)
+            scratch = self.p.ops[prod].workspace_bytes
+            if scratch and act.tensor == self.p.ops[prod].outputs[0]:  # once per recomputed op
+                self._optional(f"ws[{name}]", self.N[prod], self.N[prod], rc, self._units(scratch))
             if direct:  # a recomputed copy surely lives through its direct readers
                 self._sure(min(direct), max(direct), size, rc)
         else:

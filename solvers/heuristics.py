@@ -165,7 +165,9 @@ def lower_bound_peak(problem: Problem) -> int:
     act = lambda ids: sum(problem.tensors[t].bytes for t in set(ids) if problem.tensors[t].kind is not TensorKind.INPUT)  # noqa: E731
     best = act(problem.outputs)
     for op in problem.ops:
-        best = max(best, act(op.inputs + op.outputs))
+        # an output written into an input's storage shares its bytes: count the larger saving
+        shared = max((problem.tensors[i].bytes for _o, i in op.reuse), default=0)
+        best = max(best, act(op.inputs + op.outputs) - shared + op.workspace_bytes)
     return inputs + best
 
 

@@ -52,6 +52,8 @@ class OrderedProblem:
         self.activations: list[Activation] = []
         for t in problem.tensors:
             self._classify(t, cand)
+        for o, k in self.pos.items():  # kernel scratch space, during the op's own step
+            self.static[k] += problem.ops[o].workspace_bytes
 
     def _add_static(self, nbytes: int, start: int, end: int) -> None:
         for k in range(start, end + 1):
@@ -62,8 +64,8 @@ class OrderedProblem:
         if t.kind is TensorKind.INPUT:
             self._add_static(t.bytes, 0, T - 1)
             return
-        if t.kind is TensorKind.TANGENT:
-            self._add_static(t.bytes, F, max([F] + [self.pos[b] for b in self.bw_readers[t.id]]))
+        if t.kind is TensorKind.TANGENT:  # held by the autograd engine through the whole backward
+            self._add_static(t.bytes, F, T - 1)
             return
         start = self.pos[t.producer]
         if p.ops[t.producer].phase is Phase.BW:

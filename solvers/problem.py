@@ -46,6 +46,7 @@ class Op:
     # (output, input) pairs: the output may be written into the input's storage when
     # that input dies at this op (an elementwise op with an out= variant)
     reuse: tuple[tuple[int, int], ...] = ()
+    workspace_bytes: int = 0  # allocated and freed inside the op (kernel scratch), on top of its outputs
 
 
 @dataclass

@@ -74,8 +74,8 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     for t in problem.tensors:
         if t.kind is TensorKind.INPUT:
             span[(t.id, False)] = [0, last]
-        elif t.kind is TensorKind.TANGENT:
-            span[(t.id, False)] = [n_fw, n_fw]
+        elif t.kind is TensorKind.TANGENT:  # the autograd engine holds the seed through the whole backward
+            span[(t.id, False)] = [n_fw, last]
     recompute_pos: dict[int, int] = {}
     reads: list[list[tuple[int, bool]]] = []
     time_s = 0.0
@@ -104,21 +104,6 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     for t in problem.outputs:
         if (t, False) in span:
             span[(t, False)][1] = last
-    reused = _apply_reuse(problem, steps, n_fw, span)
-    delta = [0] * (len(steps) + 1)
-    lifetimes = []
-    for (t, rc), (s, e) in span.items():
-        nbytes = problem.tensors[t].bytes
-        delta[s] += nbytes
-        delta[e + 1] -= nbytes
-        lifetimes.append(Lifetime(t, s, e, rc))
-    timeline, live = [], 0
-    for k in range(len(steps)):
-        live += delta[k]
-        timeline.append(live)
-    if not timeline:  # an empty program still holds its inputs
-        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
-    peak = max(timeline)
     saved = sorted(
         t
         for (t, rc), (s, e) in span.items()
@@ -127,6 +112,21 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         and s < n_fw <= e
         and t not in problem.outputs
     )
+    reused = _apply_reuse(problem, steps, n_fw, span)
+    delta = [0] * (len(steps) + 2)
+    lifetimes = []
+    for (t, rc), (s, e) in span.items():
+        nbytes = problem.tensors[t].bytes
+        delta[s] += nbytes
+        delta[e + 1] -= nbytes
+        lifetimes.append(Lifetime(t, s, e, rc))
+    timeline, live = [], 0
+    for k, (o, _rc) in enumerate(steps):
+        live += delta[k]
+        timeline.append(live + problem.ops[o].workspace_bytes)
+    if not timeline:  # an empty program still holds its inputs
+        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
+    peak = max(timeline)
     return SimResult(
         peak_bytes=peak,
         peak_step=timeline.index(peak),

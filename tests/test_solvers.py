@@ -192,8 +192,9 @@ def test_solvers_import_without_torch():
 def test_simulate_default_schedule_by_hand():
     p = tiny_training_problem()
     sim = simulate(p, default_schedule(p))
-    # inputs 1010 all step; h [0,4], y [1,3], L [2,end], tangent [3,3], gy [3,4], gh [4,5], gw [5,5]
-    assert sim.timeline == [1210, 1510, 1511, 1812, 1711, 1221]
+    # inputs 1010 all step; h [0,4], y [1,3], L [2,end], gy [3,4], gh [4,5], gw [5,5];
+    # the tangent (1 byte) is held by the autograd engine for the whole backward [3,end]
+    assert sim.timeline == [1210, 1510, 1511, 1812, 1712, 1222]
     assert (sim.peak_bytes, sim.peak_step) == (1812, 3)
     assert sim.time_s == pytest.approx(3.5)
     assert sim.saved == [2, 3]
@@ -206,7 +207,7 @@ def test_simulate_recomputation_by_hand():
     p = tiny_training_problem()
     sim = simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
     # y dies after the loss (step 2); its recomputed copy lives [3,4]; h lives to act_bw (step 5)
-    assert sim.timeline == [1210, 1510, 1511, 1512, 1812, 1711, 1221]
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1812, 1712, 1222]  # tangent live to the end
     assert sim.peak_bytes == 1812
     assert sim.saved == [2]
     assert sim.recomputed_ops == [1]
@@ -252,8 +253,8 @@ def test_simulate_reuse_in_backward_by_hand():
     p = tiny_training_problem(loss_bw_reuses_y=True)
     sim = simulate(p, default_schedule(p))
     # loss_bw writes gy into y (its last reader): y ends at step 2
-    assert sim.timeline == [1210, 1510, 1511, 1512, 1711, 1221]
-    assert (sim.peak_bytes, sim.peak_step) == (1711, 4)
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1712, 1222]  # tangent live to the end
+    assert (sim.peak_bytes, sim.peak_step) == (1712, 4)
     assert sim.reused == {3: 3}
 
 
@@ -261,7 +262,7 @@ def test_simulate_reuse_of_a_recomputed_copy_by_hand():
     p = tiny_training_problem(loss_bw_reuses_y=True)
     sim = simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
     # the recomputed copy of y, not the forward one, dies at loss_bw and is taken over
-    assert sim.timeline == [1210, 1510, 1511, 1512, 1512, 1711, 1221]
+    assert sim.timeline == [1210, 1510, 1511, 1512, 1512, 1712, 1222]  # tangent live to the end
     assert sim.reused == {4: 3}
     assert sim.spans[(3, True)] == (3, 3)
 

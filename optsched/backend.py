@@ -12,11 +12,12 @@ from .budget import Budget
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
-from .costs import DeviceProfile, get_profile, measure_node_times
+from .costs import DeviceProfile, NodeCosts, get_profile
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .plan import Plan
-from .problem_builder import build_problem
+from .problem_builder import build_problem, reuse_candidates
+from .profiling import profile_nodes
 from .solvers import simulate, solve
 from .solvers.problem import default_schedule
 
@@ -64,8 +65,8 @@ class PlanningBackend:
     def _compile(gm: fx.GraphModule, example_inputs):
         return boxed(gm)
 
-    def _times(self, gm: fx.GraphModule) -> dict[str, float] | None:
-        return measure_node_times(gm, self.device) if self.measure else None
+    def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
+        return profile_nodes(gm, self.device, reuse_candidates(jg)) if self.measure else None
 
     def _plan(self, problem, graph_nodes: int) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
@@ -92,13 +93,13 @@ class PlanningBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)
-        built = build_problem(jg, self.profile, name="training step", measured=self._times(joint))
+        built = build_problem(jg, self.profile, name="training step", measured=self._costs(joint, jg))
         plan = self._plan(built.problem, len(joint.graph.nodes))
         fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule, plan.sim.reused)
         return fw, bw
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)
-        built = build_problem(jg, self.profile, name="forward", measured=self._times(gm))
+        built = build_problem(jg, self.profile, name="forward", measured=self._costs(gm, jg))
         plan = self._plan(built.problem, len(gm.graph.nodes))
         return boxed(lower_inference(jg, built.nodes, plan.schedule, plan.sim.reused))

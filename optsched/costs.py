@@ -19,6 +19,15 @@ from torch.utils.flop_counter import flop_registry
 _HALF = (torch.float16, torch.bfloat16)
 
 
+@dataclass
+class NodeCosts:
+    """What running the graph on the device taught us, per node name."""
+
+    times: dict[str, float]  # seconds
+    workspace: dict[str, int]  # bytes allocated and freed inside the op, beyond its outputs
+    reuse_ok: dict[str, bool]  # its out= form writes into a dying input without a full-size temporary
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
@@ -100,35 +109,7 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s
 
 
-def measure_node_times(gm: fx.GraphModule, device: torch.device, repeat: int = 2) -> dict[str, float]:
-    """Seconds per node, measured by running `gm` on random inputs of its shapes on `device`.
-
-    Planning a CPU step with spec-sheet numbers misjudges what recomputation costs
-    (attention and layer norm are far from the roofline there); running the graph
-    once in context costs about as much as a training step and gives real times.
-    Integer inputs are zeros, which is a valid index for every op we have seen.
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    times: dict[str, float] = {}
-
-    class _Timer(fx.Interpreter):
-        def run_node(self, n: fx.Node):
-            t0 = time.perf_counter()
-            out = super().run_node(n)
-            dt = time.perf_counter() - t0
-            times[n.name] = min(times.get(n.name, dt), dt)
-            return out
-
-    with unset_fake_temporarily(), torch.no_grad():
-        args = [_random_like(p.meta.get("val"), device) for p in gm.graph.find_nodes(op="placeholder")]
-        timer = _Timer(gm)
-        for _ in range(repeat + 1):  # the first run warms caches and allocator
-            timer.run(*args)
-    return times
-
-
-def _random_like(v, device: torch.device):
+def random_like(v, device: torch.device):
     if not isinstance(v, torch.Tensor):
         return v
     shape, dtype = tuple(v.shape), v.dtype

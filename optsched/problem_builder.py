@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .costs import DeviceProfile, node_time
+from .costs import DeviceProfile, NodeCosts, node_time
 from .joint_graph import JointGraph
 from .solvers.problem import Op, Phase, Problem, Tensor, TensorKind
 
@@ -67,10 +67,20 @@ def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, s
     return None
 
 
-def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> tuple[tuple[int, int], ...]:
+def reuse_candidates(jg: JointGraph) -> dict[str, fx.Node]:
+    """Per compute node that could write into a dying input, the first such input (to test its out= form on)."""
+    out = {}
+    for node in jg.compute:
+        pairs = _reuse_pairs(jg, node, jg.outputs_of[node])
+        if pairs:
+            out[node.name] = pairs[0][2]
+    return out
+
+
+def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> list[tuple[int, int, fx.Node]]:
     """Inputs whose storage this op could write its output into: same layout, covering the whole storage."""
     if len(outs) != 1 or out_variant(node.target) is None:
-        return ()
+        return []
     out_val = node.meta["val"]
     pairs = []
     for a in node.all_input_nodes:
@@ -86,15 +96,18 @@ def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> tuple[tuple[
             and v.storage_offset() == 0
             and jg.storages[s].nbytes == jg.storages[outs[0]].nbytes == v.numel() * v.element_size()
         ):
-            pairs.append((outs[0], s))
-    return tuple(pairs)
+            pairs.append((outs[0], s, a))
+    return pairs
 
 
-def build_problem(
-    jg: JointGraph, profile: DeviceProfile, name: str = "step", measured: dict[str, float] | None = None
-) -> Built:
-    """Ops in program order (forward, then backward), timed by `measured` seconds per node name
-    when given, else by the profile's roofline."""
+def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step", measured: NodeCosts | None = None) -> Built:
+    """Ops in program order (forward, then backward).
+
+    With `measured` (from running the graph on the device), op times, kernel scratch
+    space and in-place out= forms come from there. Without it times are the profile's
+    roofline, scratch space is unknown (0) and no op writes into its inputs, since
+    nothing verified that its out= form does so without a temporary.
+    """
     tensors = [Tensor(s.index, s.node.name, s.nbytes, s.kind) for s in jg.storages]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
@@ -112,9 +125,12 @@ def build_problem(
                 phase=jg.phase[node],
                 inputs=reads,
                 outputs=tuple(outs),
-                time_s=measured[node.name] if measured and node.name in measured else node_time(node, profile),
+                time_s=measured.times[node.name] if measured and node.name in measured.times else node_time(node, profile),
                 recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
-                reuse=_reuse_pairs(jg, node, outs),
+                reuse=tuple((o, i) for o, i, _ in _reuse_pairs(jg, node, outs))
+                if measured and measured.reuse_ok.get(node.name)
+                else (),
+                workspace_bytes=measured.workspace.get(node.name, 0) if measured else 0,
             )
         )
         nodes.append(node)

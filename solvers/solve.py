@@ -28,9 +28,12 @@ GAP_TARGET = 0.002  # stop searching once a plan is provably within 0.2% of the 
 class BudgetInfeasibleError(Exception):
     """No plan found within the budget. Carries the lowest peak found and a proven lower bound."""
 
-    def __init__(self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int):
+    def __init__(
+        self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None
+    ):
         self.budget_bytes = budget_bytes
         self.lowest_peak_bytes = lowest_peak_bytes
+        self.lowest_schedule = lowest_schedule  # a plan that reaches lowest_peak_bytes
         self.lower_bound_bytes = lower_bound_bytes
         super().__init__(
             f"no plan fits {budget_bytes / 2**20:.2f} MiB: the lowest peak found is "
@@ -86,10 +89,10 @@ def solve(
             _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
     else:
         best, stats = _solve_forward_only(problem, time_limit_s, workers)
-        lowest = simulate(problem, best).peak_bytes
+        lowest = best
     if best is None or not _fits(simulate(problem, best), budget_bytes):
         line.close()
-        raise BudgetInfeasibleError(budget_bytes or 0, lowest, lower)
+        raise BudgetInfeasibleError(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest)
     stats.wall_s = time.perf_counter() - t0
     line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
     return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
@@ -121,7 +124,7 @@ def _solve_forward_only(problem: Problem, time_limit_s: float, workers: int) -> 
 
 def _solve_training(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int
-) -> tuple[Schedule | None, SolveStats, int]:
+) -> tuple[Schedule | None, SolveStats, Schedule]:
     """Alternate: save/recompute for a fixed order, then reorder around the peak, then again."""
     deadline = time.perf_counter() + time_limit_s
     bw_order = [o.id for o in problem.bw_ops]
@@ -160,8 +163,8 @@ def _solve_training(
             if cand is not None:
                 best, lowest = _keep(best, lowest, cand, budget)
     if best is None:
-        return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat"), lowest.sim.peak_bytes
-    return best.schedule, best.stats, lowest.sim.peak_bytes
+        return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat"), lowest.schedule
+    return best.schedule, best.stats, lowest.schedule
 
 
 @dataclass
@@ -257,7 +260,7 @@ def _step_profile(problem: Problem, fw_order: list[int], bw_order: list[int], bu
 
 def _solve_training_scalable(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int, line: ProgressLine
-) -> tuple[Schedule | None, SolveStats, int]:
+) -> tuple[Schedule | None, SolveStats, Schedule]:
     """Relaxation + repair in the program's order, a greedy finish if needed, then reordering."""
     deadline = time.perf_counter() + time_limit_s
     fw = [o.id for o in problem.fw_ops]
@@ -266,7 +269,7 @@ def _solve_training_scalable(
     if budget is None:
         sched = default_schedule(problem)
         sim = simulate(problem, sched)
-        return sched, SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed"), sim.peak_bytes
+        return sched, SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed"), sched
     res = solve_bound_and_repair(
         problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
         time_limit_s=0.6 * time_limit_s, workers=workers,
@@ -304,8 +307,8 @@ def _solve_training_scalable(
         rsim = simulate(problem, refined)
         best, lowest = _keep(best, lowest, _Candidate(refined, rsim, stats), budget)
     if best is None:
-        return None, stats, lowest.sim.peak_bytes
-    return best.schedule, best.stats, lowest.sim.peak_bytes
+        return None, stats, lowest.schedule
+    return best.schedule, best.stats, lowest.schedule
 
 
 def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:

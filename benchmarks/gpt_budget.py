@@ -41,9 +41,11 @@ def _max_grad_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def run_optsched(model, inputs, eager, budget_bytes: int | None, time_limit_s: float, repeat: int) -> dict:
+def run_optsched(
+    model, inputs, eager, budget_bytes: int | None, time_limit_s: float, repeat: int, progress: bool = False
+) -> dict:
     t0 = time.perf_counter()
-    opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s)
+    opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s, progress=progress)
     first_call_s = time.perf_counter() - t0
     plan = opt.plan
     m = measure_training_step(opt, model, inputs)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     for frac in [float(f) for f in args.budgets.split(",")]:
         budget = int(frac * eager["measured_peak_bytes"])
         try:
-            row = run_optsched(model, inputs, eager, budget, args.time_limit, args.repeat)
+            row = run_optsched(model, inputs, eager, budget, args.time_limit, args.repeat, progress=args.demo)
         except optsched.BudgetInfeasibleError as e:
             row = {"budget_bytes": budget, "infeasible": str(e), "lowest_peak_bytes": e.lowest_peak_bytes,
                    "lower_bound_bytes": e.lower_bound_bytes}

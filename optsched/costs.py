@@ -8,7 +8,6 @@ machine can plan for any of them.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch

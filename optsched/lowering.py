@@ -21,7 +21,7 @@ from torch.fx.graph import _BoxedCodeGen
 
 from .joint_graph import JointGraph
 from .problem_builder import out_variant
-from .solvers.problem import Phase, Problem, Schedule
+from .solvers.problem import Problem, Schedule
 
 try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
@@ -190,4 +190,4 @@ def boxed(gm: fx.GraphModule) -> Callable:
     return run
 
 
-__all__ = ["boxed", "lower_inference", "lower_training", "Phase"]
+__all__ = ["boxed", "lower_inference", "lower_training"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from .problem import Phase, Problem, Schedule, TensorKind
+from .problem import Problem, Schedule, TensorKind
 from .simulator import simulate
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from .cpsat_remat import memory_unit
-from .problem import Problem
+from .problem import Problem, TensorKind
 from .simulator import SimResult
 
 
@@ -54,9 +54,14 @@ def reorder_window(
             fixed += units  # passes through
             continue
         start = pos[producer_at[key]] if made_inside else 0
-        ends = [pos[i] + 1 for i in inside_readers]
-        if e >= b or (made_inside and not inside_readers and e > a + producer_at[key]):
-            ends.append(m.NewConstant(n))
+        t = problem.tensors[key[0]]
+        pinned = t.kind is not TensorKind.ACTIVATION or (t.id in problem.outputs and not key[1])
+        if pinned:  # inputs, tangents and outputs live to a fixed step, whatever the order
+            ends = [m.NewConstant(min(n, e - a + 1))]
+        else:
+            ends = [pos[i] + 1 for i in inside_readers]
+            if e >= b:
+                ends.append(m.NewConstant(n))
         if made_inside:
             ends.append(pos[producer_at[key]] + 1)
         end = m.NewIntVar(0, n, f"end{key}")

@@ -98,12 +98,21 @@ def solve(
     return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
 
 
-def _solve_forward_only(problem: Problem, time_limit_s: float, workers: int) -> tuple[Schedule, SolveStats]:
+def _solve_forward_only(
+    problem: Problem, time_limit_s: float, workers: int, exact_max_ops: int = EXACT_ORDER_MAX_OPS
+) -> tuple[Schedule, SolveStats]:
+    """Exact order up to `exact_max_ops` ops; above, the greedy order refined by CP-SAT windows."""
     program = [o.id for o in problem.fw_ops]
     greedy = greedy_forward_order(problem)
     orders = {"program": program, "greedy": greedy}
     status, bound_bytes, method = "HEURISTIC", None, "greedy order"
-    if len(program) <= EXACT_ORDER_MAX_OPS:
+    if len(program) > exact_max_ops:
+        start = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
+        # the greedy order has no lookahead: a path it starts early may only finish late
+        refined = refine_order(problem, Schedule(start, []), time_limit_s=time_limit_s, workers=workers, max_rounds=50)
+        orders["windows"] = refined.fw_order
+        method = "greedy order + cp-sat windows"
+    else:
         hint = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
         res = solve_order(problem, hint=hint, time_limit_s=time_limit_s, workers=workers)
         if res is not None:

@@ -130,3 +130,26 @@ def test_hf_gpt2_meets_its_budget():
     assert got.grads.keys() == eager.grads.keys()
     for k in eager.grads:
         assert torch.equal(got.grads[k], eager.grads[k]), k
+
+
+def test_large_graph_order_strategy_matches_the_exact_order_on_the_seed_functions():
+    """Forward-only graphs above EXACT_ORDER_MAX_OPS get the greedy order refined by CP-SAT
+    windows: on the seed functions (small enough for the exact model) it must reach the
+    exact optimum. The greedy order alone does not (it starts paths it cannot finish)."""
+    from benchmarks.models.seed_functions import make_inputs, memory_peak_efficient_func, memory_peak_inefficient_func
+    from optsched.solvers.cpsat_order import solve_order
+    from optsched.solvers.heuristics import greedy_forward_order
+    from optsched.solvers.problem import Schedule
+
+    t0s, a = make_inputs()
+    for fn in (memory_peak_efficient_func, memory_peak_inefficient_func):
+        with torch.no_grad():
+            p = capture_problem(fn, (t0s, a), device_profile="cpu")
+        exact = solve_order(p, time_limit_s=10)
+        assert exact is not None and exact.status == "OPTIMAL"
+        sched, _stats = solve_module._solve_forward_only(p, 10.0, 2, exact_max_ops=0)
+        scalable_peak = simulate(p, sched).peak_bytes
+        assert scalable_peak <= simulate(p, Schedule(exact.order, [])).peak_bytes
+        inputs = sum(t.bytes for t in p.tensors if t.kind.value == "input")
+        assert scalable_peak - inputs == 3 * 256 * 256 * 4  # 0.75 MiB above the inputs
+        assert simulate(p, Schedule(greedy_forward_order(p), [])).peak_bytes >= scalable_peak

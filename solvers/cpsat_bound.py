@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from .cpsat_remat import NS, memory_unit
+from .cpsat_common import NS, cost_ns, make_solver, memory_unit
 from .liveness import OrderedProblem
 from .problem import Problem
 
@@ -45,7 +45,7 @@ class _BoundModel:
         # per step: (units, tensor, True) for "saved", (units, producer op, False) for "recomputed"
         self.terms: list[list[tuple[int, int, bool]]] = [[] for _ in range(self.o.T)]
         for act in self.o.activations:
-            units = -(-problem.tensors[act.tensor].bytes // self.unit)
+            units = problem.tensors[act.tensor].bytes // self.unit  # rounded down: stays a relaxation
             for k in range(act.fw_last + 1, max([self.o.F] + act.direct) + 1):
                 self.terms[k].append((units, act.tensor, True))
             if act.direct and act.producer in self.o.candidates:
@@ -53,7 +53,7 @@ class _BoundModel:
                     self.terms[k].append((units, act.producer, False))
 
     def fixed_units(self, k: int) -> int:
-        return -(-self.o.static[k] // self.unit)
+        return self.o.static[k] // self.unit
 
     def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None):
         """A model with `margin` extra units at each step (all zero for the bound)."""
@@ -70,13 +70,13 @@ class _BoundModel:
                 for c in act.rc_readers:  # a recomputed reader needs it saved or recomputed
                     m.Add(s + rp >= r[c])
                 m.Add(s <= sum(r[c] for c in act.rc_readers))
-        cap = budget_bytes // self.unit
+        cap = -(-budget_bytes // self.unit)  # rounded up: stays a relaxation
         for k, terms in enumerate(self.terms):
             fixed = self.fixed_units(k) + margin[k]
             if fixed + sum(u for u, _, _ in terms) <= cap:
                 continue  # can never bind
             m.Add(fixed + sum(u * (saved[x] if is_saved else r[x]) for u, x, is_saved in terms) <= cap)
-        m.Minimize(sum(max(1, round(self.p.ops[o].time_s / NS)) * v for o, v in r.items()))
+        m.Minimize(sum(cost_ns(self.p.ops[o].time_s) * v for o, v in r.items()))
         if hint is not None:
             for o, v in r.items():
                 m.AddHint(v, o in hint)
@@ -125,9 +125,7 @@ def solve_bound_and_repair(
         if left <= 0.05:
             break
         m, r = model.build(budget_bytes, margin, chosen if chosen else hint)
-        solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = left * (0.5 if rounds == 1 else 0.35)
-        solver.parameters.num_workers = workers
+        solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers)
         solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS) if on_solution else None
         status = solver.Solve(m, cb) if cb else solver.Solve(m)

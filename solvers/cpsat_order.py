@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from .cpsat_remat import memory_unit
+from .cpsat_common import make_solver, memory_unit
 from .problem import Problem, TensorKind
 
 
@@ -65,9 +65,7 @@ def solve_order(
     if hint:
         for k, o in enumerate(hint):
             m.AddHint(pos[o], k)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
+    solver = make_solver(time_limit_s, workers)
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

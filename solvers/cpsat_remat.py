@@ -25,23 +25,9 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from .cpsat_common import NS, cost_ns, make_solver, memory_unit
 from .liveness import Activation, OrderedProblem
 from .problem import Problem
-
-NS = 1e-9
-RESOLUTION = 1 << 20  # memory units across all of a step's storages
-
-
-def memory_unit(problem: Problem, resolution: int = RESOLUTION) -> int:
-    """Bytes per model unit: about a millionth of all storage, because CP-SAT's bounds
-    degrade with huge coefficients. Demands round up and budgets down, so coarse
-    units only ever make the model more careful; the simulator stays exact."""
-    total = sum(t.bytes for t in problem.tensors)
-    common = math.gcd(*(t.bytes for t in problem.tensors)) or 1
-    if total // common <= resolution:
-        return common  # exact: every size is a multiple
-    return max(1, total // resolution)
-
 
 @dataclass
 class RematResult:
@@ -164,17 +150,13 @@ class _RematModel:
         return peak
 
     def recompute_ns(self):
-        return sum(max(1, round(self.p.ops[o].time_s / NS)) * v for o, v in self.r.items())
+        return sum(cost_ns(self.p.ops[o].time_s) * v for o, v in self.r.items())
 
 
 def _solver(time_limit_s: float, workers: int) -> cp_model.CpSolver:
-    s = cp_model.CpSolver()
-    s.parameters.max_time_in_seconds = max(0.05, time_limit_s)
-    s.parameters.num_workers = workers
     # level 2 adds the cumulative and enforced linear constraints to the LP: a better
     # bound on the recompute time for the same search (measured on the GPT step)
-    s.parameters.linearization_level = 2
-    return s
+    return make_solver(time_limit_s, workers, linearization_level=2)
 
 
 def solve_remat(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from .cpsat_remat import memory_unit
+from .cpsat_common import make_solver, memory_unit
 from .problem import Problem, TensorKind
 from .simulator import SimResult
 
@@ -74,9 +74,7 @@ def reorder_window(
     m.Minimize(peak)
     for i in range(n):
         m.AddHint(pos[i], i)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = workers
+    solver = make_solver(time_limit_s, workers)
     status = solver.Solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

@@ -90,12 +90,13 @@ def solve(
     else:
         best, stats = _solve_forward_only(problem, time_limit_s, workers)
         lowest = best
-    if best is None or not _fits(simulate(problem, best), budget_bytes):
+    sim = simulate(problem, best) if best is not None else None
+    if sim is None or not _fits(sim, budget_bytes):
         line.close()
         raise BudgetInfeasibleError(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest)
     stats.wall_s = time.perf_counter() - t0
     line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
-    return Solution(best, simulate(problem, best), stats, baseline, budget_bytes, lower)
+    return Solution(best, sim, stats, baseline, budget_bytes, lower)
 
 
 def _solve_forward_only(
@@ -106,15 +107,14 @@ def _solve_forward_only(
     greedy = greedy_forward_order(problem)
     orders = {"program": program, "greedy": greedy}
     status, bound_bytes, method = "HEURISTIC", None, "greedy order"
+    start = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
     if len(program) > exact_max_ops:
-        start = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
         # the greedy order has no lookahead: a path it starts early may only finish late
         refined = refine_order(problem, Schedule(start, []), time_limit_s=time_limit_s, workers=workers, max_rounds=50)
         orders["windows"] = refined.fw_order
         method = "greedy order + cp-sat windows"
     else:
-        hint = min((program, greedy), key=lambda o: simulate(problem, Schedule(o, [])).peak_bytes)
-        res = solve_order(problem, hint=hint, time_limit_s=time_limit_s, workers=workers)
+        res = solve_order(problem, hint=start, time_limit_s=time_limit_s, workers=workers)
         if res is not None:
             orders["cp-sat"] = res.order
             status, bound_bytes, method = res.status, res.bound_bytes, "cp-sat exact order"
@@ -163,7 +163,8 @@ def _solve_training(
             break
         label = f"reordered x{round_ + 1}"
         fw_order, bw = base_orders(problem, refined)
-        best, lowest = _keep(best, lowest, _Candidate(refined, rsim, _heuristic_stats(problem, rsim, label)), budget)
+        stats = _heuristic_stats(problem, rsim, f"{base.stats.method}, then {label}")
+        best, lowest = _keep(best, lowest, _Candidate(refined, rsim, stats), budget)
         left = deadline - time.perf_counter()
         for cand in _remat_candidates(problem, budget, fw_order, bw, 0.5 * left, workers, label):
             best, lowest = _keep(best, lowest, cand, budget)
@@ -195,12 +196,12 @@ def _keep(best, lowest, cand: _Candidate, budget: int | None):
     return best, lowest
 
 
-def _heuristic_stats(problem: Problem, sim: SimResult, label: str) -> SolveStats:
+def _heuristic_stats(problem: Problem, sim: SimResult, method: str) -> SolveStats:
     """Without a model solution, the bound is the time of the step with no recomputation at all."""
     bound = sum(o.time_s for o in problem.ops)
     gap = max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s else 0.0
     status = "OPTIMAL" if sim.time_s <= bound else "HEURISTIC"  # nothing recomputed: nothing faster exists
-    return SolveStats(status, sim.time_s, bound, gap, 0.0, f"greedy recompute, {label}")
+    return SolveStats(status, sim.time_s, bound, gap, 0.0, method)
 
 
 def _min_peak_candidate(
@@ -211,7 +212,7 @@ def _min_peak_candidate(
         return None
     sched = place_recomputes(problem, fw_order, bw_order, res[0])
     sim = simulate(problem, sched)
-    return _Candidate(sched, sim, _heuristic_stats(problem, sim, f"lowest peak, {label}"))
+    return _Candidate(sched, sim, _heuristic_stats(problem, sim, f"cp-sat lowest-peak recompute, {label}"))
 
 
 def _remat_candidates(
@@ -221,7 +222,7 @@ def _remat_candidates(
     out = []
     heur = greedy_recompute(problem, budget, fw_order, bw_order)
     heur_sim = simulate(problem, heur)
-    out.append(_Candidate(heur, heur_sim, _heuristic_stats(problem, heur_sim, label)))
+    out.append(_Candidate(heur, heur_sim, _heuristic_stats(problem, heur_sim, f"greedy recompute, {label}")))
     hint = set(heur_sim.recomputed_ops) if _fits(heur_sim, budget) else None
     t_start = time.perf_counter()
     res = solve_remat(problem, fw_order, bw_order, budget, time_limit_s=max(0.2, time_s), workers=workers, hint=hint)

@@ -17,7 +17,6 @@ from .plan import Plan
 from .solvers import BudgetInfeasibleError
 
 
-
 def _own_code(call: Callable) -> Callable:
     """A trampoline to `call` with a code object of its own.
 
@@ -86,7 +85,8 @@ def optimize(
     progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
     """
     budget = parse_budget(mem_budget)
-    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0)):
+    positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
+    if time_limit_s is not None and not positive_number:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
@@ -108,6 +108,12 @@ def optimize(
     return target
 
 
+def _rng_untouched():
+    """A planning run must not advance the random streams the user's training will draw from."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=cuda)
+
+
 def _set_plan(target: Any, plan: Plan) -> None:
     target.__dict__["plan"] = plan
 
@@ -116,7 +122,7 @@ def _plan_now(target: Any, example_inputs: tuple) -> None:
     """Compile (and so plan) by running one forward whose effects are undone."""
     module = target if isinstance(target, torch.nn.Module) else None
     buffers = {n: b.detach().clone() for n, b in module.named_buffers()} if module is not None else {}
-    with torch.random.fork_rng(devices=[]):
+    with _rng_untouched():
         out = target(*example_inputs)
     del out
     if module is not None:
@@ -137,6 +143,6 @@ def capture_problem(
     call = fn_or_module._call_impl if isinstance(fn_or_module, torch.nn.Module) else fn_or_module
     backend = PlanningBackend(parse_budget(None), device_profile, 1.0, lambda plan: problems.append(plan.problem))
     compiled = torch.compile(_own_code(call), backend=backend, fullgraph=True, dynamic=False)
-    with torch.random.fork_rng(devices=[]):
+    with _rng_untouched():
         _unwrap_errors(compiled)(*example_inputs)
     return problems[-1]

@@ -9,9 +9,6 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
 from .budget import Budget
-
-DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
-DEFAULT_S_PER_OP = 0.02
 from .costs import DeviceProfile, NodeCosts, get_profile
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
@@ -20,6 +17,9 @@ from .problem_builder import build_problem, reuse_candidates
 from .profiling import profile_nodes
 from .solvers import simulate, solve
 from .solvers.problem import default_schedule
+
+DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
+DEFAULT_S_PER_OP = 0.02
 
 
 def _device_of(example_inputs) -> torch.device | None:

@@ -99,17 +99,23 @@ def lower_inference(
     jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
 ) -> fx.GraphModule:
     """A forward-only program in the planned order."""
+    prog = _forward(jg, built_nodes, schedule, reused)
+    prog.output(jg.fw_outputs, _output_descs(jg) or None)
+    return _module(jg, prog.graph)
+
+
+def _forward(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]) -> _Program:
+    """The primals, then the forward ops in the planned order (the output is left to the caller)."""
 
     def missing(node: fx.Node) -> fx.Node:
-        raise RuntimeError(f"{node.name} is used before it is computed in the planned order")
+        raise RuntimeError(f"{node.name} is used before it is computed in the planned forward order")
 
     prog = _Program(jg, missing)
     for p in jg.primals:
         prog.placeholder(p)
     for k, o in enumerate(schedule.fw_order):
         prog.emit(built_nodes[o], reused.get(k))
-    prog.output(jg.fw_outputs, _output_descs(jg) or None)
-    return _module(jg, prog.graph)
+    return prog
 
 
 def lower_training(
@@ -146,14 +152,7 @@ def lower_training(
     bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
     _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
 
-    def forward_missing(node: fx.Node) -> fx.Node:
-        raise RuntimeError(f"{node.name} is used before it is computed in the planned forward order")
-
-    fw = _Program(jg, forward_missing)
-    for p in jg.primals:
-        fw.placeholder(p)
-    for k, o in enumerate(schedule.fw_order):
-        fw.emit(built_nodes[o], reused.get(k))
+    fw = _forward(jg, built_nodes, schedule, reused)
     descs = _output_descs(jg)[: jg.num_fwd_outputs]
     if descs and SavedForBackwardsAOTOutput is not None:
         descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]

@@ -42,21 +42,26 @@ class _BoundModel:
         self.p = problem
         self.o = OrderedProblem(problem, fw_order, bw_order, optimistic_reuse=True)
         self.unit = memory_unit(problem)
-        # per step: (units, tensor, True) for "saved", (units, producer op, False) for "recomputed"
-        self.terms: list[list[tuple[int, int, bool]]] = [[] for _ in range(self.o.T)]
+        # (units, key, saved?, first step, last step): key is the tensor for "saved" terms,
+        # the producer op for "recomputed" ones
+        self.spans: list[tuple[int, int, bool, int, int]] = []
         for act in self.o.activations:
             units = problem.tensors[act.tensor].bytes // self.unit  # rounded down: stays a relaxation
-            for k in range(act.fw_last + 1, max([self.o.F] + act.direct) + 1):
-                self.terms[k].append((units, act.tensor, True))
+            self.spans.append((units, act.tensor, True, act.fw_last + 1, max([self.o.F] + act.direct)))
             if act.direct and act.producer in self.o.candidates:
-                for k in range(min(act.direct), max(act.direct) + 1):
-                    self.terms[k].append((units, act.producer, False))
+                self.spans.append((units, act.producer, False, min(act.direct), max(act.direct)))
 
     def fixed_units(self, k: int) -> int:
         return self.o.static[k] // self.unit
 
     def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None):
-        """A model with `margin` extra units at each step (all zero for the bound)."""
+        """A model with `margin` extra units at each step (all zero for the bound).
+
+        The surely-live sum is carried from segment to segment (the steps between two
+        changes of which terms are live) in one integer per segment, so the model has
+        O(terms) entries rather than O(terms x steps), and one capacity constraint per
+        segment, at its highest fixed profile.
+        """
         m = cp_model.CpModel()
         r = {o: m.NewBoolVar(f"r{o}") for o in self.o.candidates}
         saved = {}
@@ -71,27 +76,49 @@ class _BoundModel:
                     m.Add(s + rp >= r[c])
                 m.Add(s <= sum(r[c] for c in act.rc_readers))
         cap = -(-budget_bytes // self.unit)  # rounded up: stays a relaxation
-        for k, terms in enumerate(self.terms):
-            fixed = self.fixed_units(k) + margin[k]
-            if fixed + sum(u for u, _, _ in terms) <= cap:
-                continue  # can never bind
-            m.Add(fixed + sum(u * (saved[x] if is_saved else r[x]) for u, x, is_saved in terms) <= cap)
+        T = self.o.T
+        starts: list[list[int]] = [[] for _ in range(T + 1)]
+        stops: list[list[int]] = [[] for _ in range(T + 1)]
+        for i, (_u, _x, _s, first, last) in enumerate(self.spans):
+            starts[first].append(i)
+            stops[last + 1].append(i)
+        lit = [saved[x] if is_saved else r[x] for _u, x, is_saved, _f, _l in self.spans]
+        top = sum(u for u, *_ in self.spans)
+        live, live_most = None, 0  # running sum variable, and its largest possible value
+        k = 0
+        while k < T:
+            j = k + 1
+            while j < T and not starts[j] and not stops[j]:
+                j += 1
+            delta = [self.spans[i][0] * lit[i] for i in starts[k]] + [-self.spans[i][0] * lit[i] for i in stops[k]]
+            live_most += sum(self.spans[i][0] for i in starts[k]) - sum(self.spans[i][0] for i in stops[k])
+            if delta or live is None:
+                new = m.NewIntVar(0, top, f"live{k}")
+                m.Add(new == (live if live is not None else 0) + sum(delta))
+                live = new
+            fixed = max(self.fixed_units(q) + margin[q] for q in range(k, j))
+            if fixed + live_most > cap:  # else it can never bind
+                m.Add(live + fixed <= cap)
+            k = j
         m.Minimize(sum(cost_ns(self.p.ops[o].time_s) * v for o, v in r.items()))
         if hint is not None:
             for o, v in r.items():
                 m.AddHint(v, o in hint)
         return m, r
 
-    def model_units(self, k: int, recompute: set[int]) -> int:
-        """What this model counts at step k for a given recompute set."""
-        total = self.fixed_units(k)
-        for u, x, is_saved in self.terms[k]:
-            if is_saved:
-                prod = self.p.tensors[x].producer
-                total += u * (prod not in recompute)
-            else:
-                total += u * (x in recompute)
-        return total
+    def model_profile(self, recompute: set[int]) -> list[int]:
+        """What this model counts at each step for a given recompute set."""
+        delta = [0] * (self.o.T + 1)
+        for u, x, is_saved, first, last in self.spans:
+            on = (self.p.tensors[x].producer not in recompute) if is_saved else (x in recompute)
+            if on:
+                delta[first] += u
+                delta[last + 1] -= u
+        out, run = [], 0
+        for k in range(self.o.T):
+            run += delta[k]
+            out.append(run + self.fixed_units(k))
+        return out
 
 
 def solve_bound_and_repair(
@@ -142,9 +169,10 @@ def solve_bound_and_repair(
         if over is None:
             fits = True
             break
+        counted = model.model_profile(chosen)
         for k, live in enumerate(over):  # count next time what the model missed where it overflowed
             if live > budget_bytes:
-                margin[k] = max(margin[k], -(-live // model.unit) - model.model_units(k, chosen))
+                margin[k] = max(margin[k], -(-live // model.unit) - counted[k])
     return BoundResult(chosen, status0, bound_s, fits, rounds, time.perf_counter() - t0)
 
 

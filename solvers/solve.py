@@ -311,9 +311,12 @@ def _solve_training_scalable(
     lowest = _Candidate(sched, sim, stats)
     left = deadline - time.perf_counter()
     if left > 0.5:
+        # reordering keeps the recompute set (so the time): it only lowers the peak, or rescues
+        # a plan still over budget, so it gets a small share unless the plan does not fit yet
         line.note("reordering around the peak")
         base = best or lowest
-        refined = refine_order(problem, base.schedule, time_limit_s=0.5 * left, workers=workers)
+        share = 0.5 * left if best is None else min(0.5 * left, 0.15 * time_limit_s)
+        refined = refine_order(problem, base.schedule, time_limit_s=share, workers=workers)
         rsim = simulate(problem, refined)
         best, lowest = _keep(best, lowest, _Candidate(refined, rsim, stats), budget)
     if best is None:

@@ -11,13 +11,13 @@ writes JSON (benchmarks/results/gpt_budget.json).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 import optsched
+from benchmarks import write_result
 from benchmarks.models.gpt import GPTConfig, build, make_batch
 from optsched.measure import measure_ratio, measure_time, measure_training_step
 
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         "optsched": rows,
         "mincut": mincut,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    write_result(args.json, result)
     return result
 
 

@@ -11,13 +11,13 @@ a few GB). Writes benchmarks/results/scaling.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 import optsched
+from benchmarks import write_result
 from benchmarks.models.gpt import GPTConfig, build, make_batch
 
 MIB = 2**20
@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['predicted_peak_bytes'] / MIB:8.1f}M {r['time_ratio']:8.3f}x", flush=True)
     result = {"config": {"width": args.width, "batch": args.batch, "seq": args.seq, "fraction": args.fraction,
                          "profile": args.profile, "torch": torch.__version__}, "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
+    write_result(args.json, result)
     return result
 
 

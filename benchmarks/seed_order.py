@@ -10,12 +10,12 @@ both. Writes benchmarks/results/seed_order.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 import optsched
+from benchmarks import write_result
 from benchmarks.models.seed_functions import make_inputs, memory_peak_efficient_func, memory_peak_inefficient_func
 from optsched.measure import live_bytes, measure_peak
 
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['optsched_bytes'] / MIB:8.2f} {r['optsched_predicted_bytes'] / MIB:9.2f} {r['optsched_status']:>8} "
               f"{'yes' if r['optsched_matches_eager'] else 'NO':>8}")
     print("MiB above the inputs, at the allocator (CPU). *Thunder: as reported in the issue thread (CUDA), not measured here.")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.json}")
+    write_result(args.json, rows)
     return rows
 
 

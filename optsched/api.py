@@ -12,6 +12,7 @@ import torch
 
 from .backend import PlanningBackend
 from .budget import parse_budget
+from .offload_runtime import OffloadDeviceError
 from .costs import DeviceProfile
 from .plan import Plan
 from .solvers import BudgetInfeasibleError
@@ -41,7 +42,7 @@ def _unwrap_errors(compiled: Callable) -> Callable:
             return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, (BudgetInfeasibleError, ValueError)):
+            if isinstance(inner, (BudgetInfeasibleError, ValueError, OffloadDeviceError)):
                 raise inner from None
             raise
 
@@ -68,6 +69,8 @@ def optimize(
     device_profile: str | DeviceProfile | None = None,
     time_limit_s: float | None = None,
     progress: bool = False,
+    offload: bool | None = None,
+    host_budget: int | str | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -83,8 +86,18 @@ def optimize(
 
     time_limit_s: planning time limit; by default the larger of 5 s and 0.02 s per op.
     progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
+    offload: let saved activations wait in host memory between forward and backward,
+    copied on side streams that overlap compute, where that is cheaper than
+    recomputing them. None (default): on CUDA yes, on CPU no (there host memory is the
+    same memory). True on CPU runs the same program with a separate host pool (for tests).
+    A plan with offloads runs only on the kind of device its profile describes.
+    host_budget: host memory offloads may take: bytes, a size string ("64GB") or a
+    percentage of this machine's physical memory; default 50% of it.
     """
     budget = parse_budget(mem_budget)
+    host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
+    if offload not in (None, True, False):
+        raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
     positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
     if time_limit_s is not None and not positive_number:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
@@ -93,13 +106,17 @@ def optimize(
 
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
-        backend = PlanningBackend(budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress)
+        backend = PlanningBackend(
+            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host
+        )
         target.plan = None
         compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
         target._compiled_call_impl = _unwrap_errors(compiled)
     else:
         holder: dict[str, OptimizedFunction] = {}
-        backend = PlanningBackend(budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress)
+        backend = PlanningBackend(
+            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host
+        )
         compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
         target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))
 
@@ -137,11 +154,14 @@ def capture_problem(
     """The planning `Problem` of one call (forward+backward when gradients are needed), without a budget.
 
     For notebooks, tests and solver work: the torch-free problem that `optimize` would
-    hand to the solvers. Runs one forward on `example_inputs`.
+    hand to the solvers. Runs one forward on `example_inputs`. The problem allows
+    offloading at the profile's host bandwidth (solving it with a budget may offload).
     """
     problems = []
     call = fn_or_module._call_impl if isinstance(fn_or_module, torch.nn.Module) else fn_or_module
-    backend = PlanningBackend(parse_budget(None), device_profile, 1.0, lambda plan: problems.append(plan.problem))
+    backend = PlanningBackend(
+        parse_budget(None), device_profile, 1.0, lambda plan: problems.append(plan.problem), offload=True
+    )
     compiled = torch.compile(_own_code(call), backend=backend, fullgraph=True, dynamic=False)
     with _rng_untouched():
         _unwrap_errors(compiled)(*example_inputs)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .budget import Budget
 from .costs import DeviceProfile, NodeCosts, get_profile
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
+from .offload_runtime import OffloadRuntime, SlotSpec
 from .plan import Plan
 from .problem_builder import build_problem, reuse_candidates
 from .profiling import profile_nodes
@@ -20,6 +23,11 @@ from .solvers.problem import default_schedule
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
+DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device_of(example_inputs) -> torch.device | None:
@@ -39,12 +47,16 @@ class PlanningBackend:
         time_limit_s: float | None,
         on_plan: Callable[[Plan], None],
         progress: bool = False,
+        offload: bool | None = None,
+        host_budget: Budget | None = None,
     ):
         self.budget = budget
         self.device_profile = device_profile
         self.time_limit_s = time_limit_s
         self.on_plan = on_plan
         self.progress = progress
+        self.offload_setting = offload
+        self.host_budget = host_budget
         self.profile: DeviceProfile | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -53,6 +65,13 @@ class PlanningBackend:
         # default on CPU: measure op times on this machine; a named profile means the roofline
         self.measure = wants == "measured" or (wants is None and self.device.type == "cpu")
         self.profile = get_profile(None if wants == "measured" else wants, self.device)
+        # default: offload where host memory is really another memory (on CUDA, not on CPU)
+        self.offload = self.device.type == "cuda" if self.offload_setting is None else self.offload_setting
+        physical = physical_memory_bytes()
+        self.host_budget_bytes = (
+            self.host_budget.resolve(physical) if self.host_budget and self.host_budget.spec is not None
+            else int(DEFAULT_HOST_SHARE * physical)
+        )
         return aot_autograd(
             fw_compiler=self._compile,
             bw_compiler=self._compile,
@@ -93,10 +112,20 @@ class PlanningBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)
-        built = build_problem(jg, self.profile, name="training step", measured=self._costs(joint, jg))
+        built = build_problem(
+            jg, self.profile, name="training step", measured=self._costs(joint, jg),
+            offload=self.offload, host_budget_bytes=self.host_budget_bytes,
+        )
         plan = self._plan(built.problem, len(joint.graph.nodes))
-        fw, bw, _saved = lower_training(jg, built.problem, built.nodes, plan.schedule, plan.sim.reused)
+        fw, bw, _saved = lower_training(
+            jg, built.problem, built.nodes, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
+        )
         return fw, bw
+
+    def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
+        # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step
+        with unset_fake_temporarily():
+            return OffloadRuntime(slots, self.device, planned_for=self.profile.device_type)
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)

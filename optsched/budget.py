@@ -36,26 +36,29 @@ class Budget:
         return "none" if self.spec is None else str(self.spec)
 
 
-def parse_budget(spec: object) -> Budget:
-    """Parse `mem_budget`; raise ValueError naming the accepted forms."""
+def parse_budget(spec: object, name: str = "mem_budget", of: str = "the unplanned peak") -> Budget:
+    """Parse a budget; raise ValueError naming the argument and the accepted forms.
+
+    `of`: what a percentage is a share of, for the error messages."""
+    forms = _FORMS.replace("the unplanned peak", of)
     if spec is None:
         return Budget(None)
     if isinstance(spec, bool):
-        raise ValueError(f"mem_budget={spec!r} is not a budget; use {_FORMS}")
+        raise ValueError(f"{name}={spec!r} is not a budget; use {forms}")
     if isinstance(spec, int):
         if spec <= 0:
-            raise ValueError(f"mem_budget must be positive, got {spec}; use {_FORMS}")
+            raise ValueError(f"{name} must be positive, got {spec}; use {forms}")
         return Budget(spec, nbytes=spec)
     if isinstance(spec, float):
         if spec.is_integer() and spec > 0:
             return Budget(spec, nbytes=int(spec))
-        raise ValueError(f"mem_budget={spec!r}: a number means bytes and must be a positive whole number; use {_FORMS}")
+        raise ValueError(f"{name}={spec!r}: a number means bytes and must be a positive whole number; use {forms}")
     if isinstance(spec, str):
         m = _PERCENT.match(spec)
         if m:
             pct = float(m.group(1))
             if pct <= 0:
-                raise ValueError(f"mem_budget={spec!r} must be above 0%; use {_FORMS}")
+                raise ValueError(f"{name}={spec!r} must be above 0%; use {forms}")
             return Budget(spec, fraction=pct / 100.0)
         m = _SIZE.match(spec)
         if m:
@@ -63,7 +66,7 @@ def parse_budget(spec: object) -> Budget:
             if unit in _UNITS:
                 nbytes = int(float(m.group(1)) * _UNITS[unit])
                 if nbytes <= 0:
-                    raise ValueError(f"mem_budget={spec!r} must be at least one byte; use {_FORMS}")
+                    raise ValueError(f"{name}={spec!r} must be at least one byte; use {forms}")
                 return Budget(spec, nbytes=nbytes)
-            raise ValueError(f"mem_budget={spec!r}: unknown unit {m.group(2)!r}; use {_FORMS}")
-    raise ValueError(f"mem_budget={spec!r} is not a budget; use {_FORMS}")
+            raise ValueError(f"{name}={spec!r}: unknown unit {m.group(2)!r}; use {forms}")
+    raise ValueError(f"{name}={spec!r} is not a budget; use {forms}")

@@ -8,6 +8,12 @@ arguments and clears it) lets saved tensors die inside the backward too.
 
 Views allocate nothing, so they are not scheduled: each program re-emits a view
 where it is first needed, from whatever holds its base there.
+
+Offloaded activations go through an OffloadRuntime, called from both programs at
+the steps the simulator timed: the forward starts the copy out right after the
+producer and drops the device copy at its release step, then hands the host copy
+to the backward as a saved tensor; the backward issues the copy back at the
+prefetch step and waits for it just before the first reader.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
 from .joint_graph import JointGraph
+from .offload_runtime import OffloadRuntime, SlotSpec
 from .problem_builder import out_variant
+from .solvers.offload_sim import OffloadEvent
 from .solvers.problem import Problem, Schedule
 
 try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
@@ -84,7 +92,10 @@ class _Program:
         return new
 
     def output(self, values: list, descs: list | None) -> None:
-        out = self.graph.output(tuple(self.value(v) if isinstance(v, fx.Node) else v for v in values))
+        """`values`: original nodes (resolved here), nodes of this program, or constants."""
+        out = self.graph.output(
+            tuple(self.value(v) if isinstance(v, fx.Node) and v.graph is not self.graph else v for v in values)
+        )
         if descs is not None and len(descs) == len(values):
             out.meta["desc"] = descs
 
@@ -99,13 +110,24 @@ def lower_inference(
     jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
 ) -> fx.GraphModule:
     """A forward-only program in the planned order."""
-    prog = _forward(jg, built_nodes, schedule, reused)
+    prog, _host = _forward(jg, built_nodes, schedule, reused)
     prog.output(jg.fw_outputs, _output_descs(jg) or None)
     return _module(jg, prog.graph)
 
 
-def _forward(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]) -> _Program:
-    """The primals, then the forward ops in the planned order (the output is left to the caller)."""
+def _forward(
+    jg: JointGraph,
+    built_nodes: list[fx.Node],
+    schedule: Schedule,
+    reused: dict[int, int],
+    offloads: dict[int, OffloadEvent] | None = None,
+    runtime: OffloadRuntime | None = None,
+    slots: dict[int, int] | None = None,
+) -> tuple[_Program, dict[int, fx.Node]]:
+    """The primals, then the forward ops in the planned order (the output is left to the caller).
+
+    Returns the program and, per offloaded storage, the node holding its host copy.
+    """
 
     def missing(node: fx.Node) -> fx.Node:
         raise RuntimeError(f"{node.name} is used before it is computed in the planned forward order")
@@ -113,53 +135,114 @@ def _forward(jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reu
     prog = _Program(jg, missing)
     for p in jg.primals:
         prog.placeholder(p)
+    offloads = offloads or {}
+    made_at: dict[int, list[int]] = {}
+    release_at: dict[int, list[int]] = {}
+    for t, ev in sorted(offloads.items()):
+        made_at.setdefault(ev.produced, []).append(t)
+        release_at.setdefault(ev.release, []).append(t)
+    bufs = prog.graph.call_function(runtime.acquire, ()) if offloads else None
+    copying: dict[int, fx.Node] = {}
+    host: dict[int, fx.Node] = {}
+    n_fw = len(schedule.fw_order)
     for k, o in enumerate(schedule.fw_order):
+        for t in release_at.get(k, []):
+            host[t] = prog.graph.call_function(runtime.release, (copying.pop(t),))
         prog.emit(built_nodes[o], reused.get(k))
-    return prog
+        for t in made_at.get(k, []):
+            value = prog.value(jg.storages[t].node)
+            copying[t] = prog.graph.call_function(runtime.offload, (bufs, value, slots[t]))
+    for t in release_at.get(n_fw, []):
+        host[t] = prog.graph.call_function(runtime.release, (copying.pop(t),))
+    return prog, host
 
 
 def lower_training(
-    jg: JointGraph, problem: Problem, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
+    jg: JointGraph,
+    problem: Problem,
+    built_nodes: list[fx.Node],
+    schedule: Schedule,
+    reused: dict[int, int],
+    offloads: dict[int, OffloadEvent] | None = None,
+    make_runtime: Callable[[list[SlotSpec]], OffloadRuntime] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, list[fx.Node]]:
     """Forward and backward modules for AOTAutograd, and the original nodes saved between them.
 
     `reused` maps a step (forward steps first, then backward) to the input storage its
-    output is written into, as the simulator decided.
+    output is written into, as the simulator decided. `offloads` (from the simulator)
+    are run by the runtime `make_runtime` builds for their slots.
     """
+    offloads = offloads or {}
+    runtime, slots = None, {}
+    if offloads:
+        if make_runtime is None:
+            raise ValueError("a plan with offloads needs an offload runtime")
+        order = sorted(offloads)
+        slots = {t: i for i, t in enumerate(order)}
+        runtime = make_runtime([_slot_spec(jg, t) for t in order])
     recomputed = {built_nodes[o] for o in schedule.recomputed(problem)}
     saved: list[fx.Node] = []
     bw_placeholders: list[fx.Node] = []
+    fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
+
+    def placeholder_for(node: fx.Node, name: str) -> fx.Node:
+        saved.append(node)
+        new = bw.graph.placeholder(name)
+        new.meta = dict(node.meta)
+        bw_placeholders.append(new)
+        return new
 
     def save(node: fx.Node) -> fx.Node:
-        """A forward value the backward reads and does not recompute: it crosses as a saved tensor."""
+        """A forward value the backward reads and does not recompute: it crosses as a saved tensor,
+        or, if offloaded, comes back from the host here, at its first reader."""
         owner = node.args[0] if node.target is operator.getitem else node
         if owner in recomputed:
             raise RuntimeError(f"{node.name} is read in the backward before its recomputation")
-        if not isinstance(node.meta.get("val"), torch.Tensor):
-            raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
-        saved.append(node)
-        new = bw.graph.placeholder(node.name)
-        new.meta = dict(node.meta)
-        bw_placeholders.append(new)
+        storage = jg.storage_of.get(node)
+        if storage in offloads:
+            if storage not in fetching or jg.storages[storage].node is not node:
+                raise RuntimeError(f"{node.name} is read in the backward before its prefetch")
+            new = bw.graph.call_function(runtime.wait, (fetching.pop(storage),))
+        else:
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
+            new = placeholder_for(node, node.name)
         bw.env[node] = new
         return new
 
     bw = _Program(jg, save)
     tangent_ph = [bw.placeholder(t) for t in jg.tangents]
     n_fw = len(schedule.fw_order)
+    fetch_at: dict[int, list[int]] = {}
+    for t, ev in sorted(offloads.items()):
+        fetch_at.setdefault(ev.prefetch, []).append(t)
     for j, o in enumerate(schedule.bw_order):
+        for t in fetch_at.get(n_fw + j, []):
+            host_ph = placeholder_for(jg.storages[t].node, f"{jg.storages[t].node.name}_host")
+            fetching[t] = bw.graph.call_function(runtime.prefetch, (host_ph,))
         bw.emit(built_nodes[o], reused.get(n_fw + j))
+    if fetching:
+        raise RuntimeError(f"{len(fetching)} offloaded tensors are prefetched but never read")
     bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
     _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
 
-    fw = _forward(jg, built_nodes, schedule, reused)
+    fw, host = _forward(jg, built_nodes, schedule, reused, offloads, runtime, slots)
     descs = _output_descs(jg)[: jg.num_fwd_outputs]
     if descs and SavedForBackwardsAOTOutput is not None:
         descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
     else:
         descs = None
-    fw.output(list(jg.fw_outputs) + saved, descs)
+    crossing = []
+    for node in saved:
+        storage = jg.storage_of.get(node)
+        crossing.append(host.pop(storage) if storage in offloads and storage in host else node)
+    fw.output(list(jg.fw_outputs) + crossing, descs)
     return _module(jg, fw.graph), _module(jg, bw.graph), saved
+
+
+def _slot_spec(jg: JointGraph, storage: int) -> SlotSpec:
+    v = jg.storages[storage].node.meta["val"]
+    return SlotSpec(tuple(v.shape), tuple(v.stride()), v.dtype)
 
 
 def _move_placeholders_first(graph: fx.Graph, ordered: list[fx.Node]) -> None:

@@ -27,8 +27,14 @@ SUMMARY_KEYS = {
     "n_ops": "ops in the captured graph (views excluded)",
     "n_forward_ops": "forward ops",
     "n_backward_ops": "backward ops",
-    "n_saved": "activations kept from the forward for the backward",
+    "n_saved": "activations kept on the device from the forward for the backward",
     "saved_bytes": "their bytes",
+    "n_offloaded": "activations kept in host memory from the forward for the backward",
+    "offloaded_bytes": "their bytes",
+    "transfer_s": "estimated busy time of the two copy queues (to and from the host); they overlap compute",
+    "exposed_transfer_s": "the part of it compute waits for (included in estimated_time_s)",
+    "host_bytes": "host memory the offloaded copies take",
+    "host_budget_bytes": "host memory offloads may take (None: offloading is off)",
     "n_recomputed": "forward ops recomputed in the backward",
     "recompute_s": "their estimated time",
     "device_profile": "the profile times were estimated for",
@@ -76,7 +82,8 @@ class Plan:
 
     def summary(self) -> dict:
         """The plan's figures; keys and meanings are listed in `SUMMARY_KEYS`."""
-        saved_bytes = sum(self.problem.tensors[t].bytes for t in self.sim.saved)
+        on_device = [t for t in self.sim.saved if t not in self.sim.offloads]
+        saved_bytes = sum(self.problem.tensors[t].bytes for t in on_device)
         out = {
             "kind": self.kind,
             "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -96,8 +103,14 @@ class Plan:
             "n_ops": len(self.problem.ops),
             "n_forward_ops": len(self.problem.fw_ops),
             "n_backward_ops": len(self.problem.bw_ops),
-            "n_saved": len(self.sim.saved),
+            "n_saved": len(on_device),
             "saved_bytes": saved_bytes,
+            "n_offloaded": len(self.sim.offloads),
+            "offloaded_bytes": self.sim.offloaded_bytes,
+            "transfer_s": self.sim.transfer_s,
+            "exposed_transfer_s": self.sim.exposed_transfer_s,
+            "host_bytes": self.sim.host_bytes,
+            "host_budget_bytes": self.problem.host_budget_bytes if self.problem.host_bw > 0 else None,
             "n_recomputed": len(self.sim.recomputed_ops),
             "recompute_s": self.sim.recompute_s,
             "device_profile": self.profile.name,

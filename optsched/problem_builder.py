@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -100,15 +101,55 @@ def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> list[tuple[i
     return pairs
 
 
-def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step", measured: NodeCosts | None = None) -> Built:
+def _dense(v: torch.Tensor) -> bool:
+    """Its elements tile a block of numel elements exactly: some permutation of it is contiguous."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(v.shape, v.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def offloadable_storages(jg: JointGraph) -> set[int]:
+    """Activations one strided copy can move whole: their only non-view holder covers the storage densely."""
+    holders: dict[int, int] = {}
+    for node, s in jg.storage_of.items():
+        if not jg.is_view(node):
+            holders[s] = holders.get(s, 0) + 1
+    out = set()
+    for s in jg.storages:
+        v = s.node.meta.get("val")
+        if (
+            s.kind is TensorKind.ACTIVATION
+            and holders.get(s.index) == 1
+            and isinstance(v, torch.Tensor)
+            and v.storage_offset() == 0
+            and _dense(v)
+            and v.numel() * v.element_size() == s.nbytes
+        ):
+            out.add(s.index)
+    return out
+
+
+def build_problem(
+    jg: JointGraph,
+    profile: DeviceProfile,
+    name: str = "step",
+    measured: NodeCosts | None = None,
+    offload: bool = False,
+    host_budget_bytes: int | None = None,
+) -> Built:
     """Ops in program order (forward, then backward).
 
     With `measured` (from running the graph on the device), op times, kernel scratch
     space and in-place out= forms come from there. Without it times are the profile's
     roofline, scratch space is unknown (0) and no op writes into its inputs, since
     nothing verified that its out= form does so without a temporary.
+    `offload`: activations may go to host memory at the profile's host bandwidth.
     """
-    tensors = [Tensor(s.index, s.node.name, s.nbytes, s.kind) for s in jg.storages]
+    movable = offloadable_storages(jg)
+    tensors = [Tensor(s.index, s.node.name, s.nbytes, s.kind, offloadable=s.index in movable) for s in jg.storages]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
     order = [n for n in jg.compute if jg.phase[n] is Phase.FW] + [n for n in jg.compute if jg.phase[n] is Phase.BW]
@@ -116,7 +157,7 @@ def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step", me
         oid = len(ops)
         outs = jg.outputs_of[node]
         for s in outs:
-            tensors[s] = Tensor(s, tensors[s].name, tensors[s].bytes, tensors[s].kind, oid)
+            tensors[s] = dataclasses.replace(tensors[s], producer=oid)
         reads = tuple(s for s in jg.arg_storages(node) if s not in outs)
         ops.append(
             Op(
@@ -138,4 +179,8 @@ def build_problem(jg: JointGraph, profile: DeviceProfile, name: str = "step", me
     for o in jg.fw_outputs + jg.bw_outputs:
         if isinstance(o, fx.Node):
             outputs.update(jg.node_storages(o))
-    return Built(Problem(ops, tensors, frozenset(outputs), name=name), nodes)
+    problem = Problem(
+        ops, tensors, frozenset(outputs), name=name,
+        host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,
+    )
+    return Built(problem, nodes)

@@ -1,108 +1,116 @@
-"""Replay a schedule in which some saved activations live in host memory between forward and backward.
+"""Offloaded activations in time: when copies to and from the host start, end, and stall compute.
 
-A first building block for CPU offload (issue 4): the simulator with time. It is not
-yet used by the solvers or the lowering.
+The simulator calls this for a schedule with offloads. Each offloaded activation is
+copied to the host on a device-to-host queue as soon as its producer ends. Its device
+copy is dropped before the first forward step that starts after that copy is done
+(and after its last forward reader); at the end of the forward every copy still in
+flight is waited for, since nothing of the forward may outlive it but what the
+backward receives. A prefetch issued before backward position j allocates the
+device copy and fills it on a host-to-device queue; its first reader waits for it.
+Both queues are serial and overlap compute, so only waiting costs time.
 
-Each offloaded activation is copied to the host on a device-to-host queue as soon as
-its producer ends, and its device copy is freed at the first step that starts after
-that copy is done (and after its last forward reader). A prefetch issued just before
-backward step j copies it back on a host-to-device queue; the device copy exists
-from then to its last backward reader, and that reader waits for the copy if it is
-late. The two queues are serial and overlap compute, so only waiting costs time.
+The runtime (optsched.offload_runtime) does exactly this, at these steps, so the
+memory it measures is the memory simulated here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problem import Problem, Schedule, TensorKind
-from .simulator import ScheduleError, simulate
+from .problem import Problem, ScheduleError, TensorKind
+
+
+@dataclass(frozen=True)
+class OffloadEvent:
+    tensor: int
+    produced: int  # step after which the copy to the host starts
+    release: int  # step before which the device copy is dropped (n_forward_steps: at the end of the forward)
+    prefetch: int  # step before which the copy back is issued and its device memory allocated
+    first_read: int  # first backward step reading it: it waits there for the copy back
 
 
 @dataclass
-class OffloadSim:
-    peak_bytes: int
-    timeline: list[int]
-    time_s: float  # op time plus waiting for late prefetches
-    transfer_s: float  # both directions, on their own queues
-    exposed_transfer_s: float  # the part compute had to wait for
+class OffloadReplay:
+    events: dict[int, OffloadEvent]
+    exposed_s: float  # time compute waited for copies
+    transfer_s: float  # busy time of both copy queues
     offloaded_bytes: int
-    host_peak_bytes: int
+    host_bytes: int  # host memory the offloaded copies take (each has its own slot all step)
 
 
-def simulate_offload(
-    problem: Problem, schedule: Schedule, offload: dict[int, int], host_bw: float
-) -> OffloadSim:
-    """`offload` maps a saved activation to the backward position (index in `bw_order`)
-    before which its prefetch is issued; `host_bw` is the host<->device bandwidth in bytes/s."""
-    base = simulate(problem, schedule)
-    n_fw = base.n_forward_steps
-    if offload and host_bw <= 0:
-        raise ScheduleError("offload needs a positive host bandwidth")
-    saved = set(base.saved)
+def check_offload(problem: Problem, n_fw: int, saved: set[int], reads: list, offload: dict[int, int]) -> dict[int, int]:
+    """Reject offloads that cannot run; return each offloaded tensor's first backward reading step."""
+    if offload and problem.host_bw <= 0:
+        raise ScheduleError("this problem has no host bandwidth (host_bw = 0), so nothing can be offloaded")
     first_bw_read: dict[int, int] = {}
-    last_fw_read: dict[int, int] = {}
-    for k, keys in enumerate(base.reads):
-        for t, rc in keys:
-            if rc:
-                continue
-            if k >= n_fw:
+    for k in range(n_fw, len(reads)):
+        for t, rc in reads[k]:
+            if not rc:
                 first_bw_read.setdefault(t, k)
-            else:
-                last_fw_read[t] = k
     for t, j in offload.items():
-        name = problem.tensors[t].name
-        if t not in saved or problem.tensors[t].kind is not TensorKind.ACTIVATION:
-            raise ScheduleError(f"{name!r} is not a saved activation, so it cannot be offloaded")
-        if not 0 <= j or n_fw + j > first_bw_read.get(t, -1):
-            raise ScheduleError(f"the prefetch of {name!r} comes after its first backward reader")
+        tensor = problem.tensors[t]
+        if t not in saved or tensor.kind is not TensorKind.ACTIVATION or not tensor.offloadable:
+            raise ScheduleError(f"{tensor.name!r} is not an offloadable saved activation")
+        if j < 0 or n_fw + j > first_bw_read[t]:
+            raise ScheduleError(f"the prefetch of {tensor.name!r} comes after its first backward reader")
+    host = sum(problem.tensors[t].bytes for t in offload)
+    if problem.host_budget_bytes is not None and host > problem.host_budget_bytes:
+        raise ScheduleError(f"offloads take {host} bytes of host memory, over the host budget of {problem.host_budget_bytes}")
+    return {t: first_bw_read[t] for t in offload}
 
-    spans = base.spans
+
+def replay_offload(
+    problem: Problem,
+    steps: list[tuple[int, bool]],
+    n_fw: int,
+    spans: dict[tuple[int, bool], tuple[int, int]],
+    reads: list[list[tuple[int, bool]]],
+    saved: set[int],
+    offload: dict[int, int],
+) -> OffloadReplay:
+    """Time the transfers of `offload` (tensor -> backward position of its prefetch) along `steps`."""
+    first_read = check_offload(problem, n_fw, saved, reads, offload)
+    bw = problem.host_bw
     nbytes = {t: problem.tensors[t].bytes for t in offload}
-    produced_at = {t: spans[(t, False)][0] for t in offload}
-    prefetch_at: dict[int, list[int]] = {}
+    last_fw_read = {t: spans[(t, False)][0] for t in offload}
+    for k in range(n_fw):
+        for t, _rc in reads[k]:
+            if t in last_fw_read:
+                last_fw_read[t] = k
+    made_at: dict[int, list[int]] = {}
+    fetch_at: dict[int, list[int]] = {}
     for t, j in offload.items():
-        prefetch_at.setdefault(n_fw + j, []).append(t)
+        made_at.setdefault(spans[(t, False)][0], []).append(t)
+        fetch_at.setdefault(n_fw + j, []).append(t)
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
+    release: dict[int, int] = {}
+    in_flight: list[int] = []  # copied out (or being copied), device copy not yet dropped
     d2h_free = h2d_free = now = exposed = 0.0
-    device_end: dict[int, int] = {}
-    for k, (o, _rc) in enumerate(base.steps):
-        for t in prefetch_at.get(k, []):
-            begin = max(now, h2d_free)
-            h2d_free = h2d_end[t] = begin + nbytes[t] / host_bw
-        late = [h2d_end[t] - now for t, rc in base.reads[k] if not rc and t in h2d_end and h2d_end[t] > now]
-        if late:
-            exposed += max(late)
-            now += max(late)
-        for t in offload:  # device copies whose trip to the host finished before this step
-            if t not in device_end and t in d2h_end and d2h_end[t] <= now and last_fw_read.get(t, -1) < k:
-                device_end[t] = k - 1
+    for k, (o, _rc) in enumerate(steps):
+        if k == n_fw and in_flight:  # the forward ends: wait for what is still being copied out
+            wait = max(d2h_end[t] for t in in_flight) - now
+            if wait > 0:
+                exposed += wait
+                now += wait
+            release.update((t, n_fw) for t in in_flight)
+            in_flight = []
+        elif k < n_fw and in_flight:
+            done = [t for t in in_flight if d2h_end[t] <= now and last_fw_read[t] < k]
+            release.update((t, k) for t in done)
+            in_flight = [t for t in in_flight if t not in release]
+        for t in fetch_at.get(k, []):
+            h2d_free = h2d_end[t] = max(now, h2d_free) + nbytes[t] / bw
+        late = max((h2d_end[t] - now for t, rc in reads[k] if not rc and t in h2d_end), default=0.0)
+        if late > 0:
+            exposed += late
+            now += late
         now += problem.ops[o].time_s
-        for t in problem.ops[o].outputs:
-            if t in offload and produced_at[t] == k:
-                begin = max(now, d2h_free)
-                d2h_free = d2h_end[t] = begin + nbytes[t] / host_bw
-    last = len(base.steps) - 1
-    lives = [(key[0], s, e) for key, (s, e) in spans.items() if not (key[0] in offload and not key[1])]
-    for t in offload:
-        start, end = spans[(t, False)]
-        lives.append((t, start, max(device_end.get(t, last), last_fw_read.get(t, start))))  # the forward copy
-        lives.append((t, n_fw + offload[t], end))  # the prefetched copy
-    delta = [0] * (len(base.steps) + 2)
-    for t, s, e in lives:
-        delta[s] += problem.tensors[t].bytes
-        delta[e + 1] -= problem.tensors[t].bytes
-    timeline, live = [], 0
-    for k, (o, _rc) in enumerate(base.steps):
-        live += delta[k]
-        timeline.append(live + problem.ops[o].workspace_bytes)
-    return OffloadSim(
-        peak_bytes=max(timeline) if timeline else base.peak_bytes,
-        timeline=timeline,
-        time_s=base.time_s + exposed,
-        transfer_s=2 * sum(nbytes.values()) / host_bw if offload else 0.0,
-        exposed_transfer_s=exposed,
-        offloaded_bytes=sum(nbytes.values()),
-        host_peak_bytes=sum(nbytes.values()),  # every host copy is kept until the step ends
-    )
+        for t in made_at.get(k, []):
+            d2h_free = d2h_end[t] = max(now, d2h_free) + nbytes[t] / bw
+            in_flight.append(t)
+    events = {
+        t: OffloadEvent(t, spans[(t, False)][0], release[t], n_fw + offload[t], first_read[t]) for t in offload
+    }
+    total = sum(nbytes.values())
+    return OffloadReplay(events, exposed, 2 * total / bw if offload else 0.0, total, total)

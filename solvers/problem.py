@@ -32,6 +32,7 @@ class Tensor:
     bytes: int
     kind: TensorKind = TensorKind.ACTIVATION
     producer: int | None = None  # op id; None for inputs and tangents
+    offloadable: bool = True  # an activation whose storage can be copied to the host and back as one block
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class Problem:
     tensors: list[Tensor]
     outputs: frozenset[int] = frozenset()  # tensor ids returned by the step: live to its end
     name: str = "step"
+    host_bw: float = 0.0  # bytes/s of host<->device copies; 0: no offloading
+    host_budget_bytes: int | None = None  # host memory offloaded activations may take; None: unlimited
 
     def __post_init__(self) -> None:
         self.outputs = frozenset(self.outputs)
@@ -84,6 +87,10 @@ class Problem:
 
     def validate(self) -> None:
         """Reject malformed problems early, with the offending name."""
+        if self.host_bw < 0:
+            raise ValueError(f"host bandwidth must be >= 0, got {self.host_bw}")
+        if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
+            raise ValueError(f"host budget must be >= 0 bytes, got {self.host_budget_bytes}")
         for i, t in enumerate(self.tensors):
             if t.id != i:
                 raise ValueError(f"tensor {t.name!r} has id {t.id}, expected {i}")
@@ -117,22 +124,39 @@ class Problem:
                 raise ValueError(f"tangent {t.name!r} is read in the forward")
 
 
+class ScheduleError(ValueError):
+    """The schedule cannot run: missing op, bad order, value read before it exists."""
+
+
 @dataclass
 class Schedule:
-    """Run `fw_order`, then `bw_order`. Forward ops inside `bw_order` are recomputations."""
+    """Run `fw_order`, then `bw_order`. Forward ops inside `bw_order` are recomputations.
+
+    `offload` maps a saved activation to the backward position (index into `bw_order`)
+    before which it is copied back from the host; it is copied out as soon as it is made.
+    """
 
     fw_order: list[int]
     bw_order: list[int]
+    offload: dict[int, int] = field(default_factory=dict)
 
     def recomputed(self, problem: Problem) -> list[int]:
         return [o for o in self.bw_order if problem.ops[o].phase is Phase.FW]
 
     def to_dict(self) -> dict:
-        return {"fw_order": list(self.fw_order), "bw_order": list(self.bw_order)}
+        return {
+            "fw_order": list(self.fw_order),
+            "bw_order": list(self.bw_order),
+            "offload": {str(t): j for t, j in sorted(self.offload.items())},
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
-        return cls(fw_order=[int(i) for i in d["fw_order"]], bw_order=[int(i) for i in d["bw_order"]])
+        return cls(
+            fw_order=[int(i) for i in d["fw_order"]],
+            bw_order=[int(i) for i in d["bw_order"]],
+            offload={int(t): int(j) for t, j in d.get("offload", {}).items()},
+        )
 
 
 @dataclass

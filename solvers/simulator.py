@@ -9,13 +9,10 @@ the step live to its end, tangents from the start of the backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .problem import Phase, Problem, Schedule, TensorKind
-
-
-class ScheduleError(ValueError):
-    """The schedule cannot run: missing op, bad order, value read before it exists."""
+from .offload_sim import OffloadEvent, replay_offload
+from .problem import Phase, Problem, Schedule, ScheduleError, TensorKind
 
 
 @dataclass(frozen=True)
@@ -24,6 +21,7 @@ class Lifetime:
     start: int
     end: int  # inclusive
     recomputed: bool  # the copy made by a recomputation in the backward
+    prefetched: bool = False  # the copy brought back from the host
 
 
 @dataclass
@@ -41,6 +39,11 @@ class SimResult:
     spans: dict[tuple[int, bool], tuple[int, int]]  # every copy's [start, end], reuse applied
     recomputed_ops: list[int]
     recompute_s: float
+    offloads: dict[int, OffloadEvent] = field(default_factory=dict)  # tensor -> when it leaves and returns
+    offloaded_bytes: int = 0
+    transfer_s: float = 0.0  # busy time of the copy queues, overlapping compute
+    exposed_transfer_s: float = 0.0  # the part compute waited for (included in time_s)
+    host_bytes: int = 0  # host memory taken by offloaded copies
 
 
 def _check_orders(problem: Problem, schedule: Schedule) -> None:
@@ -113,13 +116,23 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         and t not in problem.outputs
     )
     reused = _apply_reuse(problem, steps, n_fw, span)
-    delta = [0] * (len(steps) + 2)
+    offload = None
+    if schedule.offload:
+        offload = replay_offload(problem, steps, n_fw, span, reads, set(saved), schedule.offload)
+        time_s += offload.exposed_s
     lifetimes = []
     for (t, rc), (s, e) in span.items():
-        nbytes = problem.tensors[t].bytes
-        delta[s] += nbytes
-        delta[e + 1] -= nbytes
-        lifetimes.append(Lifetime(t, s, e, rc))
+        ev = offload.events.get(t) if offload is not None and not rc else None
+        if ev is None:
+            lifetimes.append(Lifetime(t, s, e, rc))
+        else:  # on the device from its producer until dropped, and again from its prefetch
+            lifetimes.append(Lifetime(t, s, ev.release - 1, False))
+            lifetimes.append(Lifetime(t, ev.prefetch, e, False, prefetched=True))
+    delta = [0] * (len(steps) + 2)
+    for lt in lifetimes:
+        if lt.end >= lt.start:
+            delta[lt.start] += problem.tensors[lt.tensor].bytes
+            delta[lt.end + 1] -= problem.tensors[lt.tensor].bytes
     timeline, live = [], 0
     for k, (o, _rc) in enumerate(steps):
         live += delta[k]
@@ -141,7 +154,18 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         reads=reads,
         spans={key: (v[0], v[1]) for key, v in span.items()},
         recompute_s=recompute_s,
+        **(_offload_fields(offload) if offload is not None else {}),
     )
+
+
+def _offload_fields(rep) -> dict:
+    return {
+        "offloads": rep.events,
+        "offloaded_bytes": rep.offloaded_bytes,
+        "transfer_s": rep.transfer_s,
+        "exposed_transfer_s": rep.exposed_s,
+        "host_bytes": rep.host_bytes,
+    }
 
 
 def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, span: dict) -> dict[int, int]:

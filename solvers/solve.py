@@ -16,6 +16,7 @@ from .cpsat_remat import min_peak_remat, solve_remat
 from .heuristics import greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes, prune_recomputes
 from .problem import Problem, Schedule, SolveStats, default_schedule
 from .cpsat_bound import solve_bound_and_repair
+from .offload import mix_offload_and_recompute
 from .progress import ProgressLine
 from .reorder import base_orders, refine_order
 from .simulator import SimResult, simulate
@@ -80,11 +81,17 @@ def solve(
     lower = lower_bound_peak(problem)
     line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress)
     if problem.has_backward:
-        search_s = 0.8 * time_limit_s
+        offload = problem.host_bw > 0 and budget_bytes is not None
+        search_s = (0.6 if offload else 0.8) * time_limit_s
         if len(problem.ops) <= INTERVAL_MODEL_MAX_OPS:
             best, stats, lowest = _solve_training(problem, budget_bytes, search_s, workers)
         else:
             best, stats, lowest = _solve_training_scalable(problem, budget_bytes, search_s, workers, line)
+        if offload:
+            line.note("mixing offload and recomputation")
+            best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + 0.8 * time_limit_s)
+            if best is not None:
+                _weaken_to_offload_space(problem, stats)
         if best is not None and budget_bytes is not None and stats.status != "OPTIMAL":
             _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
     else:
@@ -324,15 +331,44 @@ def _solve_training_scalable(
     return best.schedule, best.stats, lowest.schedule
 
 
+def _with_offloads(
+    problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float
+) -> tuple[Schedule | None, SolveStats]:
+    """The fastest of the recompute-only plan and plans that offload on top of less recomputation."""
+    start = best if best is not None else lowest
+    fw, bw = base_orders(problem, start)
+    best_sim = simulate(problem, best) if best is not None else None
+    lowest_rc = set(lowest.recomputed(problem)) if lowest is not None else None
+    for sched in mix_offload_and_recompute(problem, fw, bw, budget, deadline, lowest_rc):
+        sim = simulate(problem, sched)
+        if _fits(sim, budget) and _better(sim, best_sim):
+            best, best_sim = sched, sim
+            stats = _heuristic_stats(problem, sim, "recompute plan at a looser budget + greedy offload")
+    return best, stats
+
+
+def _weaken_to_offload_space(problem: Problem, stats: SolveStats) -> None:
+    """A recompute-only bound does not hold once offloading is allowed: fall back to the trivial one
+    (every op once, no waiting) until the offload-aware relaxation certifies a better one."""
+    trivial = sum(o.time_s for o in problem.ops)
+    if stats.bound_s > trivial:
+        stats.bound_s = trivial
+        stats.gap = max(0.0, (stats.objective_s - trivial) / stats.objective_s) if stats.objective_s else 0.0
+        stats.notes.append("recompute-only bound dropped: offloading is allowed")
+    if stats.status == "OPTIMAL" and stats.objective_s > trivial * (1 + 1e-9):
+        stats.status = "FEASIBLE"
+
+
 def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:
-    """Replace the bound with the relaxation's for the plan's own order: valid for every plan in that order."""
+    """Replace the bound with the relaxation's for the plan's own order: valid for every plan in that order
+    (offloading ones too when the problem allows offloading)."""
     if time_s <= 0.05:
         return
     fw, bw = base_orders(problem, schedule)
     base_s = sum(problem.ops[o].time_s for o in fw + bw)
     res = solve_bound_and_repair(
         problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1,
-        gap_s=GAP_TARGET * base_s,
+        gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0,
     )
     if res is None or res.status in ("UNKNOWN", "MODEL_INVALID"):
         return
@@ -341,4 +377,5 @@ def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStat
     stats.gap = max(0.0, (stats.objective_s - bound) / stats.objective_s) if stats.objective_s else 0.0
     if stats.gap <= 1e-6:  # within the ns rounding of costs
         stats.status = "OPTIMAL"
-    stats.notes.append("bound: relaxation over plans in this order")
+    space = "save/recompute/offload" if problem.host_bw > 0 else "save/recompute"
+    stats.notes.append(f"bound: relaxation over {space} plans in this order")

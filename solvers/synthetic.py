@@ -26,8 +26,12 @@ class _Builder:
         return outs
 
 
-def chain_training_problem(n_layers: int = 8, act_bytes: int = 1 << 20, seed: int = 0) -> Problem:
-    """A residual-free chain: layer i = matmul (slow) then pointwise (fast); backward mirrors it."""
+def chain_training_problem(
+    n_layers: int = 8, act_bytes: int = 1 << 20, seed: int = 0, host_bw: float = 0.0, host_budget_bytes: int | None = None
+) -> Problem:
+    """A residual-free chain: layer i = matmul (slow) then pointwise (fast); backward mirrors it.
+
+    `host_bw` > 0 allows offloading activations to the host at that many bytes/s."""
     rng = random.Random(seed)
     b = _Builder()
     x = b.tensor("x", act_bytes)
@@ -49,7 +53,10 @@ def chain_training_problem(n_layers: int = 8, act_bytes: int = 1 << 20, seed: in
         (gw,) = b.op(f"mm{i}_bw_w", Phase.BW, [gm, h_in], [act_bytes // 4], 1e-3)
         (g,) = b.op(f"mm{i}_bw_x", Phase.BW, [gm, weights[i]], [act_bytes], 1e-3)
         grads.append(gw)
-    return Problem(b.ops, b.tensors, outputs=frozenset([loss, *grads]), name=f"chain{n_layers}")
+    return Problem(
+        b.ops, b.tensors, outputs=frozenset([loss, *grads]), name=f"chain{n_layers}",
+        host_bw=host_bw, host_budget_bytes=host_budget_bytes,
+    )
 
 
 def parallel_paths_problem(n_paths: int = 10, nbytes: int = 256 * 256 * 4) -> Problem:

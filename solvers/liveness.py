@@ -78,11 +78,19 @@ class OrderedProblem:
         if t.id in p.outputs:
             self._add_static(t.bytes, start, T - 1)
             return
-        self._add_static(t.bytes, start, fw_last)
+        # optimistic: its last forward reader may write into it, as the simulator lets it when it is not saved
+        reused = self.optimistic and fw_last > start and self._fw_reuses(fw_last, t.id)
+        self._add_static(t.bytes, start, fw_last - 1 if reused else fw_last)
         direct = sorted(self.pos[b] for b in self.bw_readers[t.id])
         rc_readers = [c for c in self.fw_readers[t.id] if c in cand]
         if direct or rc_readers:
             self.activations.append(Activation(t.id, t.producer, start, fw_last, direct, rc_readers))
+
+    def _fw_reuses(self, k: int, tid: int) -> bool:
+        """Whether the forward op at step `k` has `tid` among the inputs it may write into."""
+        return any(
+            self.pos[r] == k and any(inp == tid for _out, inp in self.p.ops[r].reuse) for r in self.fw_readers[tid]
+        )
 
     def _reused_at(self, end: int, tid: int) -> bool:
         """Whether the op at step `end` takes over `tid`'s storage, by the simulator's rule

@@ -134,3 +134,28 @@ def mix_offload_and_recompute(
         if plan is not None:
             out.append(plan)
     return out
+
+
+def offload_all(problem: Problem) -> Schedule:
+    """Every offloadable saved activation to the host, each prefetched one copy time ahead of its reader.
+
+    The budget-blind policy of activation-offloading wrappers (torchtune's, for one): a
+    baseline to compare with, not a plan the solver would pick. Within a host budget it
+    takes them in the order they are made until the next one no longer fits.
+    """
+    sched = place_recomputes(problem, [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops], ())
+    if problem.host_bw <= 0:
+        return sched
+    sim = simulate(problem, sched)
+    movable = [
+        t for t in sim.saved
+        if problem.tensors[t].kind is TensorKind.ACTIVATION and problem.tensors[t].offloadable
+    ]
+    room = problem.host_budget_bytes if problem.host_budget_bytes is not None else float("inf")
+    chosen = {}
+    for t in sorted(movable, key=lambda t: sim.spans[(t, False)][0]):
+        if problem.tensors[t].bytes > room:
+            break
+        room -= problem.tensors[t].bytes
+        chosen[t] = prefetch_position(problem, sim, t)
+    return Schedule(sched.fw_order, sched.bw_order, chosen)

@@ -372,6 +372,9 @@ def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStat
     )
     if res is None or res.status in ("UNKNOWN", "MODEL_INVALID"):
         return
+    if res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits: keep the bound we have
+        stats.notes.append("relaxation found no plan in this order (a modelling bug): bound not certified")
+        return
     bound = base_s + res.bound_s
     stats.bound_s = bound
     stats.gap = max(0.0, (stats.objective_s - bound) / stats.objective_s) if stats.objective_s else 0.0

@@ -29,6 +29,7 @@ from optsched.solvers import (
     simulate,
     solve,
 )
+from optsched.solvers.cpsat_bound import solve_bound_and_repair
 from optsched.solvers.cpsat_order import solve_order
 from optsched.solvers.cpsat_remat import solve_remat
 from optsched.solvers.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
@@ -586,3 +587,28 @@ def test_cpsat_beats_greedy_on_the_chain(frac):
     assert sol.stats.method.startswith("cp-sat")
     if sol.stats.status == "OPTIMAL":
         assert sol.stats.gap == pytest.approx(0, abs=1e-9)
+
+
+def test_relaxation_bound_counts_a_forward_reuse():
+    """f3 writes its output into f1's storage, which dies there: the relaxation must not count
+    both (it once did, found the step 64 bytes over budget and declared a fitting plan impossible)."""
+    b = Builder()
+    p0 = b.tensor("p0", 64)
+    (a,) = b.op("f0", Phase.FW, [p0], [128], time_s=1e-5, recomputable=False)
+    (c,) = b.op("f1", Phase.FW, [p0], [64], time_s=1e-5, recomputable=False)
+    b.op("f2", Phase.FW, [p0], [64], time_s=1e-5, recomputable=False)
+    b.op("f3", Phase.FW, [c, a], [64], time_s=1e-5, recomputable=False, reuse_input=c)
+    b.op("f4", Phase.FW, [a], [64], time_s=1e-5, recomputable=False)
+    (y,) = b.op("f5", Phase.FW, [c], [64], time_s=5e-4, recomputable=False)
+    (loss,) = b.op("loss", Phase.FW, [y], [4], time_s=1e-5)
+    g = b.tensor("tangent", 4, TensorKind.TANGENT)
+    (gb,) = b.op("b0", Phase.BW, [g], [64], time_s=1e-5)
+    problem = b.problem([loss, gb])
+    sched = Schedule([1, 2, 5, 6, 0, 3, 4], [7])
+    sim = simulate(problem, sched)
+    assert sim.reused  # f3 takes f1's storage over
+    res = solve_bound_and_repair(
+        problem, sched.fw_order, sched.bw_order, sim.peak_bytes, lambda _r: None, time_limit_s=2.0, workers=1, max_rounds=1
+    )
+    assert res is not None and res.status == "OPTIMAL"
+    assert sum(o.time_s for o in problem.ops) + res.bound_s <= sim.time_s

@@ -1,0 +1,130 @@
+"""Planning with offload (no torch): plans fit, host budgets hold, bounds stay below every plan,
+and mixing offload with recomputation beats recomputation alone where copies hide behind compute."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optsched.solvers import BudgetInfeasibleError, Schedule, default_schedule, simulate, solve
+from optsched.solvers.cpsat_bound import solve_bound_and_repair
+from optsched.solvers.offload import add_offloads, offload_all, prefetch_position
+from optsched.solvers.synthetic import chain_training_problem
+from tests.test_solvers import FUZZ, TIME_LIMIT_S, known_plans, training_problems
+
+MB = 1 << 20
+BANDWIDTHS = (1e5, 1e6, 1e7, 1e9)  # bytes/s against op times of 10 us .. 1 ms and sizes of 64 .. 1024 bytes
+
+
+def _check_plan(problem, sol, budget):
+    replay = simulate(problem, sol.schedule)
+    assert replay.peak_bytes == sol.sim.peak_bytes <= budget
+    assert replay.time_s == pytest.approx(sol.sim.time_s)
+    assert sol.stats.bound_s <= sol.stats.objective_s * (1 + 1e-9)
+    if problem.host_budget_bytes is not None:
+        assert replay.host_bytes <= problem.host_budget_bytes
+    if problem.host_bw == 0:
+        assert not sol.schedule.offload
+
+
+@settings(FUZZ, max_examples=40)
+@given(training_problems(), st.floats(0.0, 1.0), st.sampled_from(BANDWIDTHS), st.sampled_from((None, 0, 512, 2048)))
+def test_solve_with_offload_never_exceeds_either_budget(problem, frac, bw, host_budget):
+    problem = dataclasses.replace(problem, host_bw=bw, host_budget_bytes=host_budget)
+    base = simulate(problem, default_schedule(problem)).peak_bytes
+    low = min(simulate(problem, s).peak_bytes for s in [*known_plans(problem), offload_all(problem)])
+    budget = int(low + frac * (base - low))
+    try:
+        sol = solve(problem, budget, time_limit_s=TIME_LIMIT_S)
+    except BudgetInfeasibleError as e:
+        assert e.lowest_peak_bytes > budget
+        return
+    _check_plan(problem, sol, budget)
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.3, 1.0), st.sampled_from(BANDWIDTHS))
+def test_offload_aware_bound_is_below_every_offloading_plan_in_its_order(problem, frac, bw):
+    """The relaxation's bound for the program order holds for plans that offload, not just recompute."""
+    problem = dataclasses.replace(problem, host_bw=bw)
+    fw, bw_order = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
+    base_s = sum(o.time_s for o in problem.ops)
+    plans = [offload_all(problem)]
+    budget = int(frac * simulate(problem, default_schedule(problem)).peak_bytes)
+    greedy = add_offloads(problem, default_schedule(problem), budget)
+    if greedy is not None:
+        plans.append(greedy)
+    fitting = [s for s in (simulate(problem, p) for p in plans) if s.peak_bytes <= budget]
+    if not fitting:
+        return
+    res = solve_bound_and_repair(
+        problem, fw, bw_order, budget, lambda _r: None, time_limit_s=2.0, workers=1, max_rounds=1, offload=True
+    )
+    assert res is not None and res.status in ("OPTIMAL", "FEASIBLE")
+    for sim in fitting:
+        assert base_s + res.bound_s <= sim.time_s * (1 + 1e-9)
+
+
+def test_without_host_bandwidth_nothing_is_offloaded():
+    p = chain_training_problem(8, act_bytes=MB)
+    budget = int(0.6 * simulate(p, default_schedule(p)).peak_bytes)
+    sol = solve(p, budget, time_limit_s=TIME_LIMIT_S)
+    assert not sol.schedule.offload and sol.sim.offloaded_bytes == 0
+
+
+@pytest.mark.parametrize("frac", [0.6, 0.5])
+def test_mixing_beats_recomputation_alone_when_copies_hide(frac):
+    # a 1 MB copy takes 1 ms, as long as a layer's matmul: copies hide behind compute
+    p = chain_training_problem(8, act_bytes=MB, host_bw=1e9)
+    budget = int(frac * simulate(p, default_schedule(p)).peak_bytes)
+    recompute_only = solve(dataclasses.replace(p, host_bw=0.0), budget, time_limit_s=TIME_LIMIT_S)
+    mixed = solve(p, budget, time_limit_s=TIME_LIMIT_S)
+    _check_plan(p, mixed, budget)
+    assert mixed.schedule.offload
+    # faster than the best recompute-only plan can be: below its proven bound
+    assert mixed.sim.time_s < recompute_only.stats.bound_s
+    assert mixed.stats.bound_s <= mixed.sim.time_s
+
+
+def test_a_small_host_budget_limits_offloading():
+    p = chain_training_problem(8, act_bytes=MB, host_bw=1e10)
+    budget = int(0.6 * simulate(p, default_schedule(p)).peak_bytes)
+    free = solve(p, budget, time_limit_s=TIME_LIMIT_S)
+    assert free.sim.offloaded_bytes > 2 * MB  # unconstrained, it offloads more than 2 MB
+    tight = dataclasses.replace(p, host_budget_bytes=2 * MB)
+    sol = solve(tight, budget, time_limit_s=TIME_LIMIT_S)
+    _check_plan(tight, sol, budget)
+    assert 0 < sol.sim.offloaded_bytes <= 2 * MB
+    none = dataclasses.replace(p, host_budget_bytes=0)
+    assert not solve(none, budget, time_limit_s=TIME_LIMIT_S).schedule.offload
+
+
+def test_offload_all_moves_every_saved_activation():
+    p = chain_training_problem(6, act_bytes=MB, host_bw=1e12)
+    base = simulate(p, default_schedule(p))
+    sched = offload_all(p)
+    sim = simulate(p, sched)
+    assert set(sched.offload) == set(base.saved)
+    assert sim.peak_bytes < base.peak_bytes
+
+
+def test_prefetch_position_leaves_one_copy_time_of_compute():
+    p = chain_training_problem(6, act_bytes=MB, host_bw=MB / 2.5e-3)  # 2.5 ms per copy
+    sched = default_schedule(p)
+    sim = simulate(p, sched)
+    n_fw = sim.n_forward_steps
+    for t in sim.saved:
+        j = prefetch_position(p, sim, t)
+        first = next(k for k in range(n_fw, len(sim.steps)) if (t, False) in sim.reads[k])
+        ahead = sum(p.ops[sim.steps[k][0]].time_s for k in range(n_fw + j, first))
+        assert ahead >= 2.5e-3 or j == 0
+        # one step later would not be enough
+        if j > 0:
+            assert ahead - p.ops[sim.steps[n_fw + j][0]].time_s < 2.5e-3
+        # and the plan with it runs: its copy back stalls nothing
+        alone = simulate(p, Schedule(sched.fw_order, sched.bw_order, {t: j}))
+        waits_back = alone.exposed_transfer_s - simulate(p, Schedule(sched.fw_order, sched.bw_order, {t: 0})).exposed_transfer_s
+        assert waits_back == pytest.approx(0.0, abs=1e-12) or j == 0

@@ -96,7 +96,7 @@ def optimize(
     """
     budget = parse_budget(mem_budget)
     host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
-    if offload not in (None, True, False):
+    if offload is not None and not isinstance(offload, bool):
         raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
     positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
     if time_limit_s is not None and not positive_number:

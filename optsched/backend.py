@@ -14,7 +14,7 @@ from .budget import Budget
 from .costs import DeviceProfile, NodeCosts, get_profile
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
-from .offload_runtime import OffloadRuntime, SlotSpec
+from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from .plan import Plan
 from .problem_builder import build_problem, reuse_candidates
 from .profiling import profile_nodes
@@ -125,7 +125,10 @@ class PlanningBackend:
     def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
         # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step
         with unset_fake_temporarily():
-            return OffloadRuntime(slots, self.device, planned_for=self.profile.device_type)
+            try:
+                return OffloadRuntime(slots, self.device, planned_for=self.profile.device_type)
+            except OffloadDeviceError as e:
+                raise OffloadDeviceError(f"device profile {self.profile.name!r}: {e}") from None
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)

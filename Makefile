@@ -27,6 +27,7 @@ test-all: setup
 
 bench: setup
 	$(BIN)/python -m benchmarks.seed_order
+	$(BIN)/python -m benchmarks.offload
 	$(BIN)/python -m benchmarks.gpt_budget
 
 clean:

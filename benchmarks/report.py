@@ -79,12 +79,48 @@ def scaling_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def offload_table(d: dict) -> str:
+    c, g = d["config"], d["gpu"]
+    lines = [
+        f"GPT {c['layers']} layers, width {c['width']}, batch {c['batch']}, sequence {c['seq']}, fp32, planned on this CPU "
+        f"for the {c['profile']} profile ({g['n_ops']} ops, unplanned peak {g['unplanned_peak_bytes'] / MIB:.0f} MiB, "
+        f"host link {g['host_bw'] / 1e9:.0f} GB/s). Times are estimates relative to the unplanned step.",
+        "",
+        "| budget | recompute only: peak | time | bound | save/recompute/offload: peak | time | offloaded | recomputed ops "
+        "| exposed copies | status | gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in g["rows"]:
+        rc, mx = r["recompute_only"], r["mixed"]
+        left = ("infeasible | | " if rc.get("infeasible") else
+                f"{rc['peak_bytes'] / MIB:.0f} MiB | {rc['time_ratio']:.3f}x | {rc['bound_ratio']:.3f}x")
+        right = ("infeasible | | | | | | " if mx.get("infeasible") else
+                 f"{mx['peak_bytes'] / MIB:.0f} MiB | {mx['time_ratio']:.3f}x | {mx['offloaded_bytes'] / MIB:.0f} MiB | "
+                 f"{mx['n_recomputed']} | {mx['exposed_transfer_s'] * 1e6:.0f} us | {mx['status']} | {mx['gap']:.1%}")
+        lines.append(f"| {r['budget_bytes'] / MIB:.0f} MiB ({r['fraction']:.0%}) | {left} | {right} |")
+    lines += ["", "Budget-blind policies on the same step:", "",
+              "| policy | peak | time | offloaded | exposed copies |", "|---|---|---|---|---|"]
+    for p in g["policies"]:
+        lines.append(f"| {p['policy']} | {p['peak_bytes'] / MIB:.0f} MiB | {p['time_ratio']:.3f}x | "
+                     f"{p['offloaded_bytes'] / MIB:.0f} MiB | {p['exposed_transfer_s'] * 1e6:.0f} us |")
+    cpu = d.get("cpu")
+    if cpu:
+        lines += ["", f"Run on this CPU (host = a separate pool, copies on worker threads), small GPT at "
+                      f"{cpu['fraction']:.0%} of eager's {cpu['eager_peak_bytes'] / MIB:.2f} MiB: predicted "
+                      f"{cpu['predicted_peak_bytes'] / MIB:.2f} MiB, measured {cpu['measured_peak_bytes'] / MIB:.2f} MiB, "
+                      f"{cpu['n_offloaded']} activations offloaded ({cpu['offloaded_bytes'] / MIB:.1f} MiB), "
+                      f"{cpu['n_recomputed']} recomputed, step time {cpu['time_ratio']:.2f}x eager, gradients "
+                      f"{'bit-identical to eager' if cpu['grads_equal'] else 'DIFFERENT from eager'}."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
     "gpt12": ("gpt12_budget.json", gpt_table),
     "seed": ("seed_order.json", seed_table),
     "scaling": ("scaling.json", scaling_table),
+    "offload": ("offload.json", offload_table),
 }
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .backend import PlanningBackend
 from .budget import parse_budget
+from .executors import NAMES as EXECUTORS
 from .offload_runtime import OffloadDeviceError
 from .costs import DeviceProfile
 from .plan import Plan
@@ -71,6 +72,7 @@ def optimize(
     progress: bool = False,
     offload: bool | None = None,
     host_budget: int | str | None = None,
+    executor: str | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -93,11 +95,17 @@ def optimize(
     A plan with offloads runs only on the kind of device its profile describes.
     host_budget: host memory offloads may take: bytes, a size string ("64GB") or a
     percentage of this machine's physical memory; default 50% of it.
+    executor: who runs fusion groups (chains of pointwise ops, casts and reductions that
+    the planner schedules as one kernel): "inductor" (TorchInductor per group, CPU or
+    CUDA), "nvfuser" (CUDA, optional extra) or "eager" (no fusion). None: nvfuser where
+    it loads on CUDA, otherwise eager.
     """
     budget = parse_budget(mem_budget)
     host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
     if offload is not None and not isinstance(offload, bool):
         raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
+    if executor is not None and (not isinstance(executor, str) or executor.lower() not in EXECUTORS):
+        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
     positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
     if time_limit_s is not None and not positive_number:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
@@ -107,7 +115,7 @@ def optimize(
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
         backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host
+            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host, executor
         )
         target.plan = None
         compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
@@ -115,7 +123,7 @@ def optimize(
     else:
         holder: dict[str, OptimizedFunction] = {}
         backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host
+            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host, executor
         )
         compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
         target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -16,9 +17,13 @@ from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from .plan import Plan
-from .problem_builder import build_problem, reuse_candidates
+from .problem_builder import Built, build_problem, reuse_candidates
+from .executors import get_executor
+from .fusion import Group, build_group, compile_groups, find_chains, horizontal_candidates, roofline_time
 from .profiling import profile_nodes
-from .solvers import simulate, solve
+from .solvers import BudgetInfeasibleError, simulate, solve
+from .solvers.fusion import fuse_ops
+from .solvers.problem import Problem
 from .solvers.problem import default_schedule
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
@@ -49,6 +54,7 @@ class PlanningBackend:
         progress: bool = False,
         offload: bool | None = None,
         host_budget: Budget | None = None,
+        executor: str | None = None,
     ):
         self.budget = budget
         self.device_profile = device_profile
@@ -57,6 +63,7 @@ class PlanningBackend:
         self.progress = progress
         self.offload_setting = offload
         self.host_budget = host_budget
+        self.executor_setting = executor
         self.profile: DeviceProfile | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -72,6 +79,7 @@ class PlanningBackend:
             self.host_budget.resolve(physical) if self.host_budget and self.host_budget.spec is not None
             else int(DEFAULT_HOST_SHARE * physical)
         )
+        self.executor = get_executor(self.executor_setting, self.device)
         return aot_autograd(
             fw_compiler=self._compile,
             bw_compiler=self._compile,
@@ -87,9 +95,56 @@ class PlanningBackend:
     def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
         return profile_nodes(gm, self.device, reuse_candidates(jg)) if self.measure else None
 
-    def _plan(self, problem, graph_nodes: int) -> Plan:
+    def _fuse(self, jg, built: Built, groups_of_ops: list[list[int]]) -> tuple[Problem, list]:
+        """The problem the solver sees (each group merged into one op) and, per op, its node or group."""
+        if not groups_of_ops:
+            return built.problem, list(built.nodes)
+        groups = [build_group(jg, built.problem, c, built.nodes) for c in groups_of_ops]
+        compile_groups(groups, self.executor, self.device, self.measure)
+        times = [g.time_s if self.measure else roofline_time(g, self.profile) for g in groups]
+        fused = fuse_ops(built.problem, groups_of_ops, times)
+        by_first = {c[0]: g for c, g in zip(groups_of_ops, groups)}
+        ops = [
+            dataclasses.replace(op, workspace_bytes=by_first[unit[0]].workspace_bytes) if unit[0] in by_first else op
+            for op, unit in zip(fused.problem.ops, fused.members)
+        ]
+        problem = dataclasses.replace(fused.problem, ops=ops)
+        items = [by_first[unit[0]] if unit[0] in by_first else built.nodes[unit[0]] for unit in fused.members]
+        return problem, items
+
+    def _plan_fused(self, jg, built: Built, graph_nodes: int) -> tuple[Plan, list]:
+        """Plan with the executor's vertical chains; then try each horizontal group, kept only if the
+        plan with it is faster and its peak no higher (fusing independent ops makes their outputs
+        live together, which is how memory-blind fusion inflates peaks)."""
+        fusible = [self.executor.can_fuse(n) for n in built.nodes]
+        chains = find_chains(built.problem, fusible)
+        problem, items = self._fuse(jg, built, chains)
+        plan = self._plan(problem, graph_nodes, items)
+        taken = {o for c in chains for o in c}
+        for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
+            trial_problem, trial_items = self._fuse(jg, built, chains + [cand])
+            label = f"horizontal group of {len(cand)} {built.nodes[cand[0]].target}"
+            try:
+                trial = self._plan(trial_problem, graph_nodes, trial_items, plan.budget_bytes)
+            except BudgetInfeasibleError:
+                plan.stats.notes.append(f"{label}: rejected, no plan fits the budget with it")
+                continue
+            mib = 2**20
+            if trial.sim.time_s < plan.sim.time_s and trial.sim.peak_bytes <= plan.sim.peak_bytes:
+                trial.stats.notes += plan.stats.notes + [f"{label}: kept"]
+                plan, items, chains = trial, trial_items, chains + [cand]
+            else:
+                plan.stats.notes.append(
+                    f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "
+                    f"time {trial.sim.time_s * 1e3:.3f} ms vs {plan.sim.time_s * 1e3:.3f}"
+                )
+        self.on_plan(plan)
+        return plan, items
+
+    def _plan(self, problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
-        budget_bytes = self.budget.resolve(baseline.peak_bytes)
+        if budget_bytes is None:
+            budget_bytes = self.budget.resolve(baseline.peak_bytes)
         limit = self.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, DEFAULT_S_PER_OP * len(problem.ops))
@@ -106,8 +161,9 @@ class PlanningBackend:
             profile=self.profile,
             timing="measured" if self.measure else "roofline",
             graph_nodes=graph_nodes,
+            executor=self.executor.name,
+            fusion_groups=[[n.name for n in it.nodes] for it in items or [] if isinstance(it, Group)],
         )
-        self.on_plan(plan)
         return plan
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
@@ -116,9 +172,9 @@ class PlanningBackend:
             jg, self.profile, name="training step", measured=self._costs(joint, jg),
             offload=self.offload, host_budget_bytes=self.host_budget_bytes,
         )
-        plan = self._plan(built.problem, len(joint.graph.nodes))
+        plan, items = self._plan_fused(jg, built, len(joint.graph.nodes))
         fw, bw, _saved = lower_training(
-            jg, built.problem, built.nodes, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
+            jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
         return fw, bw
 
@@ -133,5 +189,5 @@ class PlanningBackend:
     def _inference(self, gm: fx.GraphModule, example_inputs):
         jg = build_joint_graph(gm, None)
         built = build_problem(jg, self.profile, name="forward", measured=self._costs(gm, jg))
-        plan = self._plan(built.problem, len(gm.graph.nodes))
-        return boxed(lower_inference(jg, built.nodes, plan.schedule, plan.sim.reused))
+        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

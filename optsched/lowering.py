@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.fx.graph import _BoxedCodeGen
 
+from .fusion import Group
 from .joint_graph import JointGraph
 from .offload_runtime import OffloadRuntime, SlotSpec
 from .problem_builder import out_variant
@@ -63,11 +64,15 @@ class _Program:
             return self._copy(node)
         return self.resolve_missing(node)
 
-    def emit(self, node: fx.Node, into: int | None = None) -> None:
-        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items).
+    def emit(self, node: fx.Node | Group, into: int | None = None) -> None:
+        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items),
+        or a fusion group as one call to its kernel.
 
         `into`: a storage, read by this node and dead after it, to write the output into.
         """
+        if isinstance(node, Group):
+            self._emit_group(node)
+            return
         for a in node.all_input_nodes:
             self.value(a)
         if into is None:
@@ -76,6 +81,14 @@ class _Program:
             self._emit_into(node, into)
         for g in self.jg.getitems.get(node, []):
             self._copy(g)
+
+    def _emit_group(self, group: Group) -> None:
+        args = tuple(self.value(n) for n in group.inputs)
+        call = self.graph.call_function(group.kernel, args)
+        for i, out in enumerate(group.outputs):
+            item = self.graph.call_function(operator.getitem, (call, i))
+            item.meta = dict(out.meta)
+            self.env[out] = item
 
     def _emit_into(self, node: fx.Node, storage: int) -> None:
         overload, out_name = out_variant(node.target)
@@ -107,7 +120,7 @@ def _output_descs(jg: JointGraph) -> list:
 
 
 def lower_inference(
-    jg: JointGraph, built_nodes: list[fx.Node], schedule: Schedule, reused: dict[int, int]
+    jg: JointGraph, built_nodes: list[fx.Node | Group], schedule: Schedule, reused: dict[int, int]
 ) -> fx.GraphModule:
     """A forward-only program in the planned order."""
     prog, _host = _forward(jg, built_nodes, schedule, reused)
@@ -117,7 +130,7 @@ def lower_inference(
 
 def _forward(
     jg: JointGraph,
-    built_nodes: list[fx.Node],
+    built_nodes: list[fx.Node | Group],
     schedule: Schedule,
     reused: dict[int, int],
     offloads: dict[int, OffloadEvent] | None = None,
@@ -160,7 +173,7 @@ def _forward(
 def lower_training(
     jg: JointGraph,
     problem: Problem,
-    built_nodes: list[fx.Node],
+    built_nodes: list[fx.Node | Group],
     schedule: Schedule,
     reused: dict[int, int],
     offloads: dict[int, OffloadEvent] | None = None,
@@ -180,7 +193,10 @@ def lower_training(
         order = sorted(offloads)
         slots = {t: i for i, t in enumerate(order)}
         runtime = make_runtime([_slot_spec(jg, t) for t in order])
-    recomputed = {built_nodes[o] for o in schedule.recomputed(problem)}
+    recomputed: set[fx.Node] = set()
+    for o in schedule.recomputed(problem):
+        item = built_nodes[o]
+        recomputed.update(item.nodes if isinstance(item, Group) else [item])
     saved: list[fx.Node] = []
     bw_placeholders: list[fx.Node] = []
     fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read

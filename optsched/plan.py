@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .costs import DeviceProfile
 from .solvers.problem import Problem, Schedule, SolveStats
@@ -24,7 +24,7 @@ SUMMARY_KEYS = {
     "solve_time_s": "wall time of planning",
     "method": "which model or heuristic produced the plan",
     "graph_nodes": "fx nodes in the captured graph (views, getitems, placeholders included)",
-    "n_ops": "ops in the captured graph (views excluded)",
+    "n_ops": "ops the planner scheduled (views excluded; a fusion group counts once)",
     "n_forward_ops": "forward ops",
     "n_backward_ops": "backward ops",
     "n_saved": "activations kept on the device from the forward for the backward",
@@ -37,6 +37,9 @@ SUMMARY_KEYS = {
     "host_budget_bytes": "host memory offloads may take (None: offloading is off)",
     "n_recomputed": "forward ops recomputed in the backward",
     "recompute_s": "their estimated time",
+    "executor": "who runs fusion groups: 'eager' (no fusion), 'inductor' or 'nvfuser'",
+    "n_fusion_groups": "fusion groups (each runs as one kernel)",
+    "n_fused_ops": "ops inside them",
     "device_profile": "the profile times were estimated for",
     "timing": "'measured' (op times measured on the device) or 'roofline' (the profile's cost model)",
 }
@@ -55,6 +58,8 @@ class Plan:
     profile: DeviceProfile
     timing: str = "roofline"  # or "measured": op times measured on the planning device
     graph_nodes: int = 0  # fx nodes of the captured graph, views and getitems included
+    executor: str = "eager"
+    fusion_groups: list[list[str]] = field(default_factory=list)  # member node names per group
 
     @property
     def kind(self) -> str:
@@ -113,6 +118,9 @@ class Plan:
             "host_budget_bytes": self.problem.host_budget_bytes if self.problem.host_bw > 0 else None,
             "n_recomputed": len(self.sim.recomputed_ops),
             "recompute_s": self.sim.recompute_s,
+            "executor": self.executor,
+            "n_fusion_groups": len(self.fusion_groups),
+            "n_fused_ops": sum(len(g) for g in self.fusion_groups),
             "device_profile": self.profile.name,
             "timing": self.timing,
         }

@@ -1,0 +1,149 @@
+"""Fusion groups: merged into single ops for the planner, run as one kernel by the executor.
+
+Torch-free checks of the merge first, then the seed functions and the GPT step with the
+Inductor executor on CPU, measured at the allocator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optsched
+from benchmarks.models import gpt
+from benchmarks.models.seed_functions import make_inputs, memory_peak_efficient_func, memory_peak_inefficient_func
+from optsched.measure import live_bytes, measure_peak, measure_training_step
+from optsched.solvers import Phase, default_schedule, simulate
+from optsched.solvers.fusion import check_group, fuse_ops
+from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# the merge, without torch
+
+
+def _chain():
+    p = chain_training_problem(4, act_bytes=MiB)
+    by_name = {o.name: o.id for o in p.ops}
+    return p, by_name
+
+
+def test_a_vertical_group_hides_its_intermediate_and_keeps_the_rest():
+    p, ids = _chain()
+    # act3 -> loss: act3's output is read by loss and by loss_bw, so it stays materialized;
+    # mm3 -> act3: mm3's output is read by act3 and by act3_bw (saved): materialized too
+    fused = fuse_ops(p, [[ids["mm3"], ids["act3"]]], [5e-4])
+    assert len(fused.problem.ops) == len(p.ops) - 1
+    assert fused.internal == set()
+    op = next(o for o in fused.problem.ops if o.name == "mm3+act3")
+    assert op.time_s == 5e-4 and op.phase is Phase.FW
+    assert simulate(fused.problem, default_schedule(fused.problem)).peak_bytes == simulate(p, default_schedule(p)).peak_bytes
+
+
+def test_an_intermediate_read_only_inside_the_group_takes_no_memory():
+    p = parallel_paths_problem(2)
+    ids = {o.name: o.id for o in p.ops}
+    group = [ids["relu1_0"], ids["mm1_0"], ids["relu2_0"]]
+    fused = fuse_ops(p, [group], [1e-4])
+    relu1_out = p.ops[ids["relu1_0"]].outputs[0]
+    mm1_out = p.ops[ids["mm1_0"]].outputs[0]
+    assert fused.internal == {relu1_out, mm1_out}
+    assert fused.problem.tensors[relu1_out].bytes == 0
+    base = simulate(p, default_schedule(p)).peak_bytes
+    assert simulate(fused.problem, default_schedule(fused.problem)).peak_bytes <= base
+
+
+def test_a_horizontal_group_runs_where_all_its_inputs_exist_and_its_outputs_live_together():
+    p = parallel_paths_problem(3)
+    ids = {o.name: o.id for o in p.ops}
+    relus = [ids[f"relu1_{i}"] for i in range(3)]
+    fused = fuse_ops(p, [relus], [1e-5])
+    sim = simulate(fused.problem, default_schedule(fused.problem))
+    unfused = simulate(p, default_schedule(p))
+    assert sim.peak_bytes >= unfused.peak_bytes  # three outputs at once: never lower
+    assert sim.time_s < unfused.time_s  # two launches saved
+
+
+def test_bad_groups_are_rejected_with_their_names():
+    p, ids = _chain()
+    with pytest.raises(ValueError, match="mixes forward and backward"):
+        check_group(p, [ids["act3"], ids["act3_bw"]])
+    with pytest.raises(ValueError, match="not convex"):
+        check_group(p, [ids["mm0"], ids["mm1"]])  # act0 sits between them
+    with pytest.raises(ValueError, match="two fusion groups"):
+        fuse_ops(p, [[ids["mm3"], ids["act3"]], [ids["act3"], ids["loss"]]], [1.0, 1.0])
+    with pytest.raises(ValueError, match="program order"):
+        check_group(p, [ids["act3"], ids["mm3"]])
+
+
+# ---------------------------------------------------------------------------------------------
+# with torch: the Inductor executor on CPU
+
+
+@pytest.mark.parametrize("func", [memory_peak_efficient_func, memory_peak_inefficient_func], ids=["efficient", "inefficient"])
+def test_seed_functions_with_inductor_fusion_reach_0_75_mib(func):
+    t0s, a = make_inputs()
+    with torch.no_grad():
+        opt = optsched.optimize(func, None, executor="inductor", time_limit_s=5.0)
+        opt(list(t0s), a)  # plans
+        res = measure_peak(lambda: opt(list(t0s), a))
+    plan = opt.plan
+    assert plan.executor == "inductor"
+    assert res.peak_bytes == pytest.approx(0.75 * MiB, abs=4096)
+    assert plan.predicted_peak_bytes - live_bytes(t0s, a) == res.peak_bytes
+    # Thunder's horizontal fusion of the ten relus is faster but holds all their outputs at once
+    rejected = [n for n in plan.stats.notes if n.startswith("horizontal group") and "rejected" in n]
+    assert rejected, plan.stats.notes
+    assert not any(n.endswith(": kept") for n in plan.stats.notes)
+    torch.testing.assert_close(res.result, func(list(t0s), a), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def gpt_inductor():
+    cfg = gpt.GPTConfig()
+    model = gpt.build(cfg)
+    inputs = gpt.make_batch(cfg, batch_size=8)
+    torch.manual_seed(0)
+    eager = measure_training_step(model, model, inputs)
+    budget = int(0.55 * eager.peak_bytes)
+    opt = optsched.optimize(model, budget, example_inputs=inputs, executor="inductor")
+    torch.manual_seed(0)
+    planned = measure_training_step(opt, model, inputs)
+    return opt, budget, eager, planned
+
+
+def test_gpt_with_inductor_groups_fits_and_is_predicted(gpt_inductor):
+    opt, budget, _eager, planned = gpt_inductor
+    s = opt.plan.summary()
+    assert s["executor"] == "inductor" and s["n_fusion_groups"] > 0 and s["n_fused_ops"] >= 2 * s["n_fusion_groups"]
+    assert planned.peak_bytes <= budget
+    assert abs(planned.peak_bytes - opt.plan.predicted_peak_bytes) <= 0.01 * planned.peak_bytes
+
+
+def test_gpt_with_inductor_groups_matches_eager(gpt_inductor):
+    _opt, _budget, eager, planned = gpt_inductor
+    # fused kernels may round differently from ATen's (reductions, vectorized math): tight tolerance
+    torch.testing.assert_close(planned.loss, eager.loss, rtol=1e-6, atol=1e-6)
+    for k in eager.grads:
+        torch.testing.assert_close(planned.grads[k], eager.grads[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_eager_executor_fuses_nothing():
+    cfg = gpt.GPTConfig(n_layer=1)
+    model = gpt.build(cfg)
+    opt = optsched.optimize(model, None, example_inputs=gpt.make_batch(cfg, batch_size=2), executor="eager", time_limit_s=2.0)
+    assert opt.plan.summary()["n_fusion_groups"] == 0
+
+
+@pytest.mark.parametrize("bad", ["triton", 3])
+def test_unknown_executor_is_a_value_error(bad):
+    with pytest.raises(ValueError, match="unknown executor"):
+        optsched.optimize(torch.nn.Linear(2, 2), None, executor=bad)
+
+
+def test_nvfuser_on_cpu_is_a_clear_error():
+    f = optsched.optimize(lambda x: x.relu() + 1, None, executor="nvfuser")
+    with pytest.raises(ValueError, match="CUDA"):
+        f(torch.ones(4))

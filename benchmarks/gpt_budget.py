@@ -42,10 +42,12 @@ def _max_grad_diff(a: dict, b: dict) -> float:
 
 
 def run_optsched(
-    model, inputs, eager, budget_bytes: int | None, time_limit_s: float, repeat: int, progress: bool = False
+    model, inputs, eager, budget_bytes: int | None, time_limit_s: float, repeat: int, progress: bool = False,
+    executor: str | None = None,
 ) -> dict:
     t0 = time.perf_counter()
-    opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s, progress=progress)
+    opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s, progress=progress,
+                            executor=executor)
     first_call_s = time.perf_counter() - t0
     plan = opt.plan
     m = measure_training_step(opt, model, inputs)
@@ -68,21 +70,28 @@ def run_optsched(
         "method": s["method"],
         "n_recomputed": s["n_recomputed"],
         "estimated_time_ratio": s["time_ratio"],
+        "executor": s["executor"],
+        "n_fusion_groups": s["n_fusion_groups"],
     }
 
 
-def run_mincut(model, inputs, repeat: int) -> list[dict]:
-    """PyTorch's own answer: min-cut partitioner with activation_memory_budget, without Inductor codegen."""
+def run_mincut(model, inputs, repeat: int, backend: str = "aot_eager_decomp_partition",
+               eager_grads: dict | None = None) -> list[dict]:
+    """PyTorch's own answer: the min-cut partitioner with activation_memory_budget, either without
+    Inductor codegen (aot_eager_decomp_partition) or as torch.compile does it (inductor)."""
     out = []
     for knob in MINCUT_KNOBS:
         torch._dynamo.reset()
         with torch._functorch.config.patch(activation_memory_budget=knob):
-            compiled = torch.compile(model, backend="aot_eager_decomp_partition", fullgraph=True, dynamic=False)
+            compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+            t0 = time.perf_counter()
             _timed_step(compiled, model, inputs)()  # compile outside the measurements
+            compile_s = time.perf_counter() - t0
             m = measure_training_step(compiled, model, inputs)
             t, t_eager = measure_ratio(_timed_step(compiled, model, inputs), _timed_step(model, model, inputs), repeat=repeat)
         out.append({"activation_memory_budget": knob, "measured_peak_bytes": m.peak_bytes, "step_s": t,
-                    "eager_step_s": t_eager, "time_ratio": t / t_eager})
+                    "eager_step_s": t_eager, "time_ratio": t / t_eager, "first_call_s": compile_s,
+                    "max_grad_diff": _max_grad_diff(m.grads, eager_grads) if eager_grads else None})
     torch._dynamo.reset()
     return out
 
@@ -114,6 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--time-limit", type=float, default=5.0, help="planning time limit per budget, seconds")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions per configuration")
     ap.add_argument("--no-mincut", action="store_true", help="skip PyTorch's min-cut comparison")
+    ap.add_argument("--executor", choices=["eager", "inductor"], default=None,
+                    help="optsched's fusion-group executor (default: optimize()'s default, eager on CPU)")
+    ap.add_argument("--mincut-backend", default="aot_eager_decomp_partition",
+                    help="torch.compile backend of the min-cut comparison: aot_eager_decomp_partition or inductor")
     ap.add_argument("--demo", action="store_true", help="short run for `make demo`")
     ap.add_argument("--json", type=Path, default=None, help="default: results/gpt_budget.json (results/demo.json with --demo)")
     args = ap.parse_args(argv)
@@ -134,20 +147,22 @@ def main(argv: list[str] | None = None) -> dict:
     for frac in [float(f) for f in args.budgets.split(",")]:
         budget = int(frac * eager["measured_peak_bytes"])
         try:
-            row = run_optsched(model, inputs, eager, budget, args.time_limit, args.repeat, progress=args.demo)
+            row = run_optsched(model, inputs, eager, budget, args.time_limit, args.repeat, progress=args.demo,
+                               executor=args.executor)
         except optsched.BudgetInfeasibleError as e:
             row = {"budget_bytes": budget, "infeasible": str(e), "lowest_peak_bytes": e.lowest_peak_bytes,
                    "lower_bound_bytes": e.lower_bound_bytes}
         row["fraction"] = frac
         rows.append(row)
-    mincut = [] if args.no_mincut else run_mincut(model, inputs, args.repeat)
+    mincut = [] if args.no_mincut else run_mincut(model, inputs, args.repeat, args.mincut_backend, eager["grads"])
     for row in rows:
         row["mincut"] = best_mincut_within(mincut, row["budget_bytes"]) if mincut else None
 
     _print_table(eager, rows, mincut)
     result = {
         "config": {"model": args.model, "layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq,
-                   "threads": torch.get_num_threads(), "torch": torch.__version__},
+                   "threads": torch.get_num_threads(), "torch": torch.__version__,
+                   "executor": args.executor or "eager", "mincut_backend": args.mincut_backend},
         "eager": {k: v for k, v in eager.items() if k != "grads"},
         "optsched": rows,
         "mincut": mincut,

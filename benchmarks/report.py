@@ -22,7 +22,8 @@ def gpt_table(d: dict) -> str:
     e = d["eager"]
     lines = [
         f"{c.get('model', 'gpt')}: {c['layers']} layers, width {c['width']}, batch {c['batch']}, sequence {c['seq']}, "
-        f"torch {c['torch']}, {c['threads']} CPU threads. Eager peak {e['measured_peak_bytes'] / MIB:.2f} MiB.",
+        f"torch {c['torch']}, {c['threads']} CPU threads. Eager peak {e['measured_peak_bytes'] / MIB:.2f} MiB. "
+        f"optsched executor: {c.get('executor', 'eager')}; min-cut via `{c.get('mincut_backend', 'aot_eager_decomp_partition')}`.",
         "",
         "| budget | optsched predicted | optsched measured | fits | time vs eager | grads vs eager | plan s | status | gap "
         "| min-cut (knob) | min-cut peak | min-cut time |",
@@ -43,7 +44,7 @@ def gpt_table(d: dict) -> str:
         lines.append(f"| {budget} | {ours} | {theirs} |")
     if d.get("mincut"):
         lo = min(d["mincut"], key=lambda r: r["measured_peak_bytes"])
-        lines += ["", f"PyTorch's min-cut partitioner (`aot_eager_decomp_partition`, `activation_memory_budget` "
+        lines += ["", f"PyTorch's min-cut partitioner (`{c.get('mincut_backend', 'aot_eager_decomp_partition')}`, `activation_memory_budget` "
                       f"swept over {', '.join(str(r['activation_memory_budget']) for r in d['mincut'])}) reaches at "
                       f"best {lo['measured_peak_bytes'] / MIB:.2f} MiB; its fastest setting runs at "
                       f"{min(r['time_ratio'] for r in d['mincut']):.2f}x eager."]
@@ -52,14 +53,22 @@ def gpt_table(d: dict) -> str:
 
 def seed_table(d: dict) -> str:
     lines = [
-        "| function | eager | torch.compile (Inductor, CPU) | Thunder (reported) | optsched measured | optsched predicted | status |",
-        "|---|---|---|---|---|---|---|",
+        "| function | eager | torch.compile (Inductor, CPU) | Thunder (reported) | optsched measured | optsched predicted "
+        "| status | optsched + Inductor groups |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for name, r in d.items():
         ind = f"{r['inductor_bytes'] / MIB:.2f}" if "inductor_bytes" in r else "not run"
+        fused = f"{r['optsched_inductor_bytes'] / MIB:.2f}" if "optsched_inductor_bytes" in r else "not run"
         lines.append(f"| {name} | {r['eager_bytes'] / MIB:.2f} | {ind} | {r['thunder_reported_bytes'] / MIB:.2f} | "
-                     f"{r['optsched_bytes'] / MIB:.2f} | {r['optsched_predicted_bytes'] / MIB:.2f} | {r['optsched_status']} |")
+                     f"{r['optsched_bytes'] / MIB:.2f} | {r['optsched_predicted_bytes'] / MIB:.2f} | {r['optsched_status']} "
+                     f"| {fused} |")
+        notes += [f"{name}: {n}" for n in r.get("optsched_inductor_notes", [])]
     lines += ["", "MiB above the inputs, at the allocator."]
+    if notes:
+        lines += ["", "Horizontal fusion, as Thunder does it, tried by the planner and rejected:", ""]
+        lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
@@ -118,6 +127,7 @@ TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
     "gpt12": ("gpt12_budget.json", gpt_table),
+    "gpt_inductor": ("gpt_inductor.json", gpt_table),
     "seed": ("seed_order.json", seed_table),
     "scaling": ("scaling.json", scaling_table),
     "offload": ("offload.json", offload_table),

@@ -4,7 +4,20 @@ from .api import optimize
 from .budget import parse_budget
 from .costs import PROFILES, DeviceProfile
 from .plan import SUMMARY_KEYS, Plan
+from .plan_file import PlanFile, PlanFileError, PlanMismatchError, load_plan
 from .solvers import BudgetInfeasibleError
 
 __version__ = "0.1.0"
-__all__ = ["BudgetInfeasibleError", "DeviceProfile", "PROFILES", "Plan", "SUMMARY_KEYS", "optimize", "parse_budget"]
+__all__ = [
+    "PROFILES",
+    "SUMMARY_KEYS",
+    "BudgetInfeasibleError",
+    "DeviceProfile",
+    "Plan",
+    "PlanFile",
+    "PlanFileError",
+    "PlanMismatchError",
+    "load_plan",
+    "optimize",
+    "parse_budget",
+]

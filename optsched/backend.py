@@ -13,6 +13,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .budget import Budget
 from .costs import DeviceProfile, NodeCosts, get_profile
+from .fingerprint import fingerprint
+from .inplace import fold_copy_back
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
@@ -112,7 +114,7 @@ class PlanningBackend:
         items = [by_first[unit[0]] if unit[0] in by_first else built.nodes[unit[0]] for unit in fused.members]
         return problem, items
 
-    def _plan_fused(self, jg, built: Built, graph_nodes: int) -> tuple[Plan, list]:
+    def _plan_fused(self, jg, built: Built, graph_nodes: int, gm: fx.GraphModule | None = None) -> tuple[Plan, list]:
         """Plan with the executor's vertical chains; then try each horizontal group, kept only if the
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
@@ -138,6 +140,9 @@ class PlanningBackend:
                     f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "
                     f"time {trial.sim.time_s * 1e3:.3f} ms vs {plan.sim.time_s * 1e3:.3f}"
                 )
+        if gm is not None:
+            plan.fingerprint = fingerprint(gm)
+        plan.offload_allowed = self.offload
         self.on_plan(plan)
         return plan, items
 
@@ -172,7 +177,7 @@ class PlanningBackend:
             jg, self.profile, name="training step", measured=self._costs(joint, jg),
             offload=self.offload, host_budget_bytes=self.host_budget_bytes,
         )
-        plan, items = self._plan_fused(jg, built, len(joint.graph.nodes))
+        plan, items = self._plan_fused(jg, built, len(joint.graph.nodes), joint)
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
@@ -187,7 +192,8 @@ class PlanningBackend:
                 raise OffloadDeviceError(f"device profile {self.profile.name!r}: {e}") from None
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
+        fold_copy_back(gm)  # input mutations: compute new values into the inputs instead of copying them back
         jg = build_joint_graph(gm, None)
         built = build_problem(jg, self.profile, name="forward", measured=self._costs(gm, jg))
-        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes), gm)
         return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

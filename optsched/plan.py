@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .costs import DeviceProfile
+from .plan_file import downsample, seal, write_plan_file
 from .solvers.problem import Problem, Schedule, SolveStats
 from .solvers.simulator import SimResult
 
@@ -60,6 +63,8 @@ class Plan:
     graph_nodes: int = 0  # fx nodes of the captured graph, views and getitems included
     executor: str = "eager"
     fusion_groups: list[list[str]] = field(default_factory=list)  # member node names per group
+    fingerprint: dict | None = None  # of the captured graph (see optsched.fingerprint)
+    offload_allowed: bool = False
 
     @property
     def kind(self) -> str:
@@ -127,6 +132,68 @@ class Plan:
         assert set(out) == set(SUMMARY_KEYS)
         return out
 
+    def to_file_data(self) -> dict:
+        """Everything a plan file holds (see optsched.plan_file), before sealing."""
+        p, sim = self.problem, self.sim
+        return {
+            "optsched_version": _version(),
+            "torch_version": _torch_version(),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "kind": self.kind,
+            "fingerprint": self.fingerprint or {"hash": "", "nodes": []},
+            "made_for": {
+                "kind": self.kind,
+                "budget": self.budget_spec,
+                "budget_bytes": self.budget_bytes,
+                "device_profile": self.profile.name,
+                "executor": self.executor,
+                "offload": self.offload_allowed,
+                "host_budget_bytes": p.host_budget_bytes,
+                "profile": self.profile.to_dict(),
+                "timing": self.timing,
+            },
+            "decisions": {
+                "ops": [o.name for o in p.ops],
+                "fw_order": list(self.schedule.fw_order),
+                "bw_order": list(self.schedule.bw_order),
+                "offload": {p.tensors[t].name: j for t, j in sorted(self.schedule.offload.items())},
+                "fusion_groups": [list(g) for g in self.fusion_groups],
+                "recomputed": [p.ops[o].name for o in sim.recomputed_ops],
+                "offloaded": [p.tensors[t].name for t in sorted(sim.offloads)],
+            },
+            "costs": {o.name: [o.time_s, o.workspace_bytes, [[p.tensors[a].name, p.tensors[b].name] for a, b in o.reuse]]
+                      for o in p.ops},
+            "summary": self.summary(),
+            "solver": self.stats.to_dict(),
+            "timeline": self.timeline_data(),
+        }
+
+    def timeline_data(self) -> dict:
+        """The predicted memory over the step, for plots: live bytes per step, what each step is."""
+        sim, p = self.sim, self.problem
+        live, chunk = downsample(sim.timeline)
+        return {
+            "live_bytes": live,
+            "steps_per_point": chunk,
+            "n_steps": len(sim.timeline),
+            "n_forward_steps": sim.n_forward_steps,
+            "recompute_steps": [k for k, (_o, rc) in enumerate(sim.steps) if rc],
+            "offloads": [
+                {"tensor": p.tensors[t].name, "bytes": p.tensors[t].bytes, "produced": e.produced,
+                 "release": e.release, "prefetch": e.prefetch, "first_read": e.first_read}
+                for t, e in sorted(sim.offloads.items())
+            ],
+            "peak_bytes": sim.peak_bytes,
+            "peak_step": sim.peak_step,
+            "budget_bytes": self.budget_bytes,
+            "unplanned_live_bytes": downsample(self.baseline.timeline)[0],
+            "unplanned_peak_bytes": self.baseline.peak_bytes,
+        }
+
+    def save(self, path) -> Path:
+        """Write this plan as a plan file (atomically); `optsched.load_plan` reads it back."""
+        return write_plan_file(seal(self.to_file_data()), path)
+
     def __repr__(self) -> str:
         mib = 2**20
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.2f} MiB"
@@ -135,3 +202,18 @@ class Plan:
             f"(unplanned {self.baseline.peak_bytes / mib:.2f}, budget {budget}), "
             f"time x{self.summary()['time_ratio']:.3f}, {self.solver_status}, gap {self.gap:.2%})"
         )
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("optsched")
+    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
+        return "0+unknown"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -1,0 +1,52 @@
+"""A graph's identity for plan files: structure, op targets, shapes, dtypes.
+
+Two captures of the same model with the same input shapes give the same fingerprint;
+a wider layer, another dtype, a changed op or an extra node give another, and the node
+list says which node differs first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+
+def _target(node: fx.Node) -> str:
+    t = node.target
+    return str(t) if isinstance(t, (str, torch._ops.OpOverload)) else getattr(t, "__qualname__", repr(t))
+
+
+def _meta(node: fx.Node) -> tuple[str, str, str]:
+    vals = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    shape = ";".join("x".join(str(int(s)) for s in v.shape) or "scalar" for v in vals)
+    stride = ";".join(",".join(str(int(s)) for s in v.stride()) for v in vals)
+    dtype = ";".join(str(v.dtype).removeprefix("torch.") for v in vals)
+    return shape, stride, dtype
+
+
+def _arg(a, index: dict[fx.Node, int]):
+    if isinstance(a, fx.Node):
+        return f"%{index[a]}"
+    if isinstance(a, (list, tuple)):
+        return [_arg(x, index) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _arg(v, index) for k, v in a.items()}
+    return repr(a)
+
+
+def fingerprint(gm: fx.GraphModule, extra: dict | None = None) -> dict:
+    """{"hash": sha256 of every node's op, target, arguments, shapes, strides and dtypes (plus `extra`),
+    "nodes": [[name, target, shape, dtype], ...] for naming the first difference}."""
+    index: dict[fx.Node, int] = {}
+    full, nodes = [], []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        shape, stride, dtype = _meta(node)
+        full.append([node.op, _target(node), _arg(node.args, index), _arg(node.kwargs, index), shape, stride, dtype])
+        nodes.append([node.name, _target(node), shape, dtype])
+    body = json.dumps({"graph": full, "extra": extra or {}}, sort_keys=True)
+    return {"hash": hashlib.sha256(body.encode()).hexdigest(), "nodes": nodes}

@@ -1,0 +1,156 @@
+"""Plans as files: solve once, run many times, on other machines.
+
+A plan file is JSON: a schema version, what the plan decided (order, fusion groups,
+recomputations, offloads), what it was made for (graph fingerprint, budget, device
+profile, executor, per-op costs), what it predicts (summary, timeline) and how the
+solver did. A checksum over the content turns corruption and hand edits into a clear
+error instead of a wrong program. Writes are atomic (a temporary file, then a rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "optsched.plan"
+SCHEMA_VERSION = 1
+TIMELINE_POINTS = 4000  # longer timelines are kept at their per-chunk maxima
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used: unreadable, corrupted, edited, or from another schema."""
+
+
+class PlanMismatchError(ValueError):
+    """A valid plan file made for another graph, budget, profile or executor."""
+
+
+@dataclass
+class PlanFile:
+    """A loaded plan file: `data` is the validated JSON."""
+
+    path: Path | None
+    data: dict[str, Any]
+
+    @property
+    def summary(self) -> dict:
+        return self.data["summary"]
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.data["fingerprint"]
+
+    def describe_mismatch(self, fingerprint: dict, **wanted: Any) -> str | None:
+        """What differs between this plan and the graph (and settings) at hand, or None."""
+        problems = []
+        for key, value in wanted.items():
+            have = self.data["made_for"].get(key)
+            if have != value:
+                problems.append(f"{key}: the plan has {have!r}, this run wants {value!r}")
+        mine, theirs = self.fingerprint, fingerprint
+        if mine["hash"] != theirs["hash"]:
+            problems.append(_node_difference(mine["nodes"], theirs["nodes"]))
+        return "; ".join(problems) if problems else None
+
+
+def _node_difference(planned: list, current: list) -> str:
+    for i, (a, b) in enumerate(zip(planned, current)):
+        if a != b:
+            return f"graph node {i} differs: the plan has {_fmt(a)}, the graph now has {_fmt(b)}"
+    if len(planned) != len(current):
+        return f"the plan's graph has {len(planned)} nodes, the graph now has {len(current)}"
+    return "the graph differs in a detail the node list does not show (argument structure)"
+
+
+def _fmt(sig: list) -> str:
+    name, target, shape, dtype = sig
+    return f"{name} = {target} -> {shape} {dtype}"
+
+
+def _checksum(data: dict) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(data: dict) -> dict:
+    """Add schema fields and the checksum."""
+    data = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **data}
+    data["checksum"] = _checksum(data)
+    return data
+
+
+def write_plan_file(data: dict, path: str | os.PathLike) -> Path:
+    """Write sealed plan data atomically: readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a plan file is an ordinary file
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+REQUIRED = {
+    "schema": str, "schema_version": int, "optsched_version": str, "torch_version": str, "kind": str,
+    "fingerprint": dict, "made_for": dict, "decisions": dict, "costs": dict, "summary": dict,
+    "solver": dict, "timeline": dict, "checksum": str,
+}
+
+
+def load_plan(path: str | os.PathLike) -> PlanFile:
+    """Read and validate a plan file. Raises PlanFileError saying what is wrong with it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanFileError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}): corrupted or truncated") from None
+    return PlanFile(path, validate(data, str(path)))
+
+
+def validate(data: Any, where: str = "plan") -> dict:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise PlanFileError(f"{where} is not an optsched plan file (no 'schema': {SCHEMA!r})")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanFileError(
+            f"{where} has plan schema version {version!r}; this optsched reads version {SCHEMA_VERSION}: plan again"
+        )
+    for key, kind in REQUIRED.items():
+        if not isinstance(data.get(key), kind):
+            raise PlanFileError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
+    if data["checksum"] != _checksum(data):
+        raise PlanFileError(
+            f"{where} was modified after it was written (checksum mismatch): a hand-edited or corrupted plan "
+            "is never run; plan again"
+        )
+    decisions = data["decisions"]
+    for key in ("fw_order", "bw_order", "offload", "fusion_groups", "ops"):
+        if key not in decisions:
+            raise PlanFileError(f"{where}: decisions lack {key!r}")
+    return data
+
+
+def downsample(values: list[int], points: int = TIMELINE_POINTS) -> tuple[list[int], int]:
+    """Per-chunk maxima (peaks survive), and the chunk length."""
+    if len(values) <= points:
+        return list(values), 1
+    chunk = -(-len(values) // points)
+    return [max(values[i : i + chunk]) for i in range(0, len(values), chunk)], chunk

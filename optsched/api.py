@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,7 @@ def _unwrap_errors(compiled: Callable) -> Callable:
             return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, (BudgetInfeasibleError, ValueError, OffloadDeviceError)):
+            if isinstance(inner, (BudgetInfeasibleError, ValueError, OffloadDeviceError)):  # plan file errors too
                 raise inner from None
             raise
 
@@ -73,6 +74,8 @@ def optimize(
     offload: bool | None = None,
     host_budget: int | str | None = None,
     executor: str | None = None,
+    plan: str | os.PathLike | None = None,
+    on_mismatch: str = "error",
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -99,11 +102,21 @@ def optimize(
     the planner schedules as one kernel): "inductor" (TorchInductor per group, CPU or
     CUDA), "nvfuser" (CUDA, optional extra) or "eager" (no fusion). None: nvfuser where
     it loads on CUDA, otherwise eager.
+    plan: a plan file. If it exists and was made for this graph (fingerprint), budget,
+    profile, executor and offload setting, it is used without solving; if it does not
+    exist, the plan is solved and saved there. "auto": a file in the plan cache
+    ($OPTSCHED_CACHE_DIR, else ~/.cache/optsched/plans) keyed by all of these.
+    on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
+    (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
     """
     budget = parse_budget(mem_budget)
     host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
     if offload is not None and not isinstance(offload, bool):
         raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
+    if on_mismatch not in ("error", "replan"):
+        raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
+    if plan is not None and not isinstance(plan, (str, os.PathLike)):
+        raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
     if executor is not None and (not isinstance(executor, str) or executor.lower() not in EXECUTORS):
         raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
     positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
@@ -115,7 +128,7 @@ def optimize(
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
         backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host, executor
+            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host, executor, plan, on_mismatch
         )
         target.plan = None
         compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
@@ -123,7 +136,7 @@ def optimize(
     else:
         holder: dict[str, OptimizedFunction] = {}
         backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host, executor
+            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host, executor, plan, on_mismatch
         )
         compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
         target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -14,6 +17,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .budget import Budget
 from .costs import DeviceProfile, NodeCosts, get_profile
 from .fingerprint import fingerprint
+from .plan_file import PlanMismatchError, cache_dir, load_plan
+from .plan_reuse import plan_from_file
 from .inplace import fold_copy_back
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
@@ -57,6 +62,8 @@ class PlanningBackend:
         offload: bool | None = None,
         host_budget: Budget | None = None,
         executor: str | None = None,
+        plan: str | os.PathLike | None = None,
+        on_mismatch: str = "error",
     ):
         self.budget = budget
         self.device_profile = device_profile
@@ -66,6 +73,8 @@ class PlanningBackend:
         self.offload_setting = offload
         self.host_budget = host_budget
         self.executor_setting = executor
+        self.plan_spec = None if plan is None else (plan if plan == "auto" else os.fspath(plan))
+        self.on_mismatch = on_mismatch
         self.profile: DeviceProfile | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -171,13 +180,45 @@ class PlanningBackend:
         )
         return plan
 
-    def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
-        jg = build_joint_graph(joint, num_fwd_outputs)
+    def _planned(self, gm: fx.GraphModule, jg, name: str) -> tuple[Plan, list]:
+        """The plan for this graph: from the plan file when one matches, else solved (and saved when asked)."""
+        path = self._plan_path(gm, name)
+        if path is not None and path.exists():
+            pf = load_plan(path)
+            mismatch = pf.describe_mismatch(fingerprint(gm), **self._made_for(name))
+            if mismatch is None:
+                plan, items = plan_from_file(self, jg, gm, pf, name)
+                self.on_plan(plan)
+                return plan, items
+            if self.on_mismatch == "error":
+                raise PlanMismatchError(
+                    f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
+                    "overwrite it, or use another plan file"
+                )
         built = build_problem(
-            jg, self.profile, name="training step", measured=self._costs(joint, jg),
+            jg, self.profile, name=name, measured=self._costs(gm, jg),
             offload=self.offload, host_budget_bytes=self.host_budget_bytes,
         )
-        plan, items = self._plan_fused(jg, built, len(joint.graph.nodes), joint)
+        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes), gm)
+        if path is not None:
+            plan.save(path)
+        return plan, items
+
+    def _made_for(self, name: str) -> dict:
+        return {"kind": "training" if name == "training step" else "inference", "budget": str(self.budget),
+                "device_profile": self.profile.name, "executor": self.executor.name, "offload": self.offload}
+
+    def _plan_path(self, gm: fx.GraphModule, name: str) -> Path | None:
+        if self.plan_spec is None:
+            return None
+        if self.plan_spec != "auto":
+            return Path(self.plan_spec)
+        key = hashlib.sha256(json.dumps(self._made_for(name), sort_keys=True).encode()).hexdigest()[:12]
+        return cache_dir() / f"{fingerprint(gm)['hash'][:20]}-{key}.json"
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        jg = build_joint_graph(joint, num_fwd_outputs)
+        plan, items = self._planned(joint, jg, "training step")
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
@@ -194,6 +235,5 @@ class PlanningBackend:
     def _inference(self, gm: fx.GraphModule, example_inputs):
         fold_copy_back(gm)  # input mutations: compute new values into the inputs instead of copying them back
         jg = build_joint_graph(gm, None)
-        built = build_problem(jg, self.profile, name="forward", measured=self._costs(gm, jg))
-        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes), gm)
+        plan, items = self._planned(gm, jg, "forward")
         return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

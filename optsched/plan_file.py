@@ -148,6 +148,14 @@ def validate(data: Any, where: str = "plan") -> dict:
     return data
 
 
+def cache_dir() -> Path:
+    """Where optimize(plan="auto") keeps plans: $OPTSCHED_CACHE_DIR, else the user's cache folder."""
+    if os.environ.get("OPTSCHED_CACHE_DIR"):
+        return Path(os.environ["OPTSCHED_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "optsched" / "plans"
+
+
 def downsample(values: list[int], points: int = TIMELINE_POINTS) -> tuple[list[int], int]:
     """Per-chunk maxima (peaks survive), and the chunk length."""
     if len(values) <= points:

@@ -332,14 +332,16 @@ def _fold_round(gm: fx.GraphModule, redirect_readers: bool) -> list[fx.Node]:
     g = _Graph(gm)
     singles = []
     foreach_ops: dict[fx.Node, None] = {}
+    used: set[fx.Node] = set()  # ops and inputs folded this round: one fold each, the next round sees the rest
     for c in copies:
         _dst, src = _copy_args(c)
         if src.target is operator.getitem and isinstance(src.args[0], fx.Node):
             foreach_ops[src.args[0]] = None
             continue
         fold = _single_fold(g, c, redirect_readers)
-        if fold is not None:
+        if fold is not None and not {fold[1], fold[2]} & used:
             singles.append(fold)
+            used.update((fold[1], fold[2]))
     groups = [f for f in (_foreach_fold(g, op) for op in foreach_ops) if f is not None]
 
     done: list[fx.Node] = []

@@ -132,6 +132,76 @@ def offloadable_storages(jg: JointGraph) -> set[int]:
     return out
 
 
+def written_storages(jg: JointGraph, node: fx.Node) -> list[int]:
+    """Storages a mutating op writes (its arguments the schema marks as written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out: list[int] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+        for a in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(a, fx.Node):
+                out += jg.node_storages(a)
+    return out
+
+
+def order_writes(jg: JointGraph, nodes: list[fx.Node], ops: list[Op], tensors: list[Tensor]) -> tuple[list[Op], list[Tensor]]:
+    """Keep every write into a storage between the reads it must follow and the reads that must see it.
+
+    Storages are how the problem orders ops, and a write allocates nothing, so without this
+    the planner could move a write before a read of the old value. Each write reads a 0-byte
+    token from every op that touched the storage since the previous write, and makes a token
+    every later reader takes. An op that reads a storage written after it is not recomputed:
+    its recomputation would read the new value.
+    """
+    writes = [set(written_storages(jg, n)) for n in nodes]
+    if not any(writes):
+        return ops, tensors
+    extra_in: dict[int, list[int]] = {}
+    extra_out: dict[int, list[int]] = {}
+    tensors = list(tensors)
+
+    def token(op_id: int) -> int:
+        t = Tensor(len(tensors), f"{ops[op_id].name}.order{len(extra_out.get(op_id, []))}", 0, TensorKind.ACTIVATION,
+                   op_id, offloadable=False)
+        tensors.append(t)
+        extra_out.setdefault(op_id, []).append(t.id)
+        return t.id
+
+    written = set().union(*writes)
+    last_write: dict[int, int] = {}  # storage -> token of its latest write
+    since: dict[int, list[int]] = {s: [] for s in written}  # storage -> ops that read it since that write
+    read_then_written: set[int] = set()
+    for op in ops:
+        touched = [s for s in op.inputs if s in written]
+        for s in set(touched) | writes[op.id]:
+            if s in last_write:
+                extra_in.setdefault(op.id, []).append(last_write[s])
+        for s in writes[op.id]:
+            for r in since[s]:
+                if r != op.id:
+                    extra_in.setdefault(op.id, []).append(token(r))
+                    read_then_written.add(r)
+            since[s] = []
+            last_write[s] = token(op.id)
+        for s in touched:
+            if s not in writes[op.id]:
+                since[s].append(op.id)
+    new_ops = [
+        dataclasses.replace(
+            op,
+            inputs=tuple(dict.fromkeys(op.inputs + tuple(extra_in.get(op.id, ())))),
+            outputs=op.outputs + tuple(extra_out.get(op.id, ())),
+            recomputable=op.recomputable and op.id not in read_then_written,
+        )
+        for op in ops
+    ]
+    return new_ops, tensors
+
+
 def build_problem(
     jg: JointGraph,
     profile: DeviceProfile,
@@ -179,6 +249,7 @@ def build_problem(
     for o in jg.fw_outputs + jg.bw_outputs:
         if isinstance(o, fx.Node):
             outputs.update(jg.node_storages(o))
+    ops, tensors = order_writes(jg, nodes, ops, tensors)
     problem = Problem(
         ops, tensors, frozenset(outputs), name=name,
         host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,

@@ -498,3 +498,55 @@ def test_gpt_budget_sweep(fraction):
     assert abs(planned.peak_bytes - plan.predicted_peak_bytes) <= 0.01 * planned.peak_bytes
     assert torch.equal(planned.loss, eager.loss)
     _assert_same_grads(planned.grads, eager.grads)
+
+
+def test_a_write_into_an_input_stays_after_the_reads_of_its_old_value():
+    """Writes allocate nothing, so storage lifetimes alone would let the planner run the copy
+    back before the matmul that reads x's old value (it once did: a wrong answer, silently)."""
+
+    def f(x, y):
+        n = x * 2
+        s = (x.t() @ y).sum(0)
+        x.copy_(n)
+        return s
+
+    x, y = torch.randn(256, 256), torch.randn(256, 1024)
+    ref_x = x.clone()
+    ref = f(ref_x, y)
+    opt = optsched.optimize(f, None, time_limit_s=2)
+    with torch.no_grad():
+        out = opt(x, y)
+    assert torch.equal(out, ref)
+    assert torch.equal(x, ref_x)
+    names = [opt.plan.problem.ops[o].name for o in opt.plan.schedule.fw_order]
+    assert names.index("mm") < names.index("copy_")
+
+
+def test_an_op_reading_an_input_before_it_is_written_is_not_recomputed():
+    """Its recomputation in the backward would read the new value."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("seen", torch.zeros(64, 64))
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x) + self.seen.sum(0))  # reads the buffer's old value
+            self.seen.add_(1.0)  # then writes it
+            return (h * h).sum()
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(32, 64, requires_grad=True)
+    ref = copy.deepcopy(m)
+    ref(x).backward()
+    opt = optsched.optimize(m, None, example_inputs=(x,), time_limit_s=2)
+    ops = opt.plan.problem.ops
+    (reader,) = [o for o in ops if o.name == "sum_1"]  # seen.sum(0)
+    assert not reader.recomputable
+    m.seen.zero_()
+    x.grad = None
+    opt(x).backward()
+    assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad)
+    assert torch.equal(m.seen, ref.seen)

@@ -1,0 +1,227 @@
+"""Thunder issue 1173's copy-heavy program: a compiled torch.optim.Adam step.
+
+A functionalized optimizer step computes every new parameter and state tensor out of
+place and copies it back (`copy_(input, new)`). optsched folds those writes into the ops
+computing them where no order the planner may pick can change a value
+(`optsched/inplace.py`), then plans and runs the step. This benchmark compiles the step
+of a GPT with about 200 parameter tensors, for-loop (`foreach=False`) and `foreach=True`:
+
+* compile time of the first call: optsched (its planning time too) and torch.compile
+  (Inductor, C++ codegen on CPU; its on-disk caches are off so every compile is cold);
+* time per step against eager `opt.step()`, timed alternately (`measure_ratio`);
+* peak allocator bytes above the start of a step (parameters, gradients and state held);
+* whether parameters and state after the first steps equal eager's, bitwise, and equal
+  the traced program run op by op (`torch.compile(backend="eager")`): Dynamo traces
+  Adam's capturable branch (float32 tensor bias corrections) and rewrites addcmul_ into
+  mul + fma, so no compiled step is bitwise equal to eager `opt.step()`.
+
+`opt.step` graph-breaks on purpose in its `_use_grad` wrapper; every compiled variant here
+runs the undecorated `Adam.step` under `torch.no_grad()` as one graph.
+Writes benchmarks/results/adam_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import optsched
+from benchmarks import write_result
+from benchmarks.models.gpt import GPTConfig, build, make_batch
+from optsched.backend import PlanningBackend
+from optsched.measure import live_bytes, measure_peak, measure_ratio
+
+RESULTS = Path(__file__).parent / "results"
+COPY_ = torch.ops.aten.copy_.default
+
+
+def _step_fn(opt: torch.optim.Optimizer):
+    """`opt.step` without its decorators (one graph-breaks on purpose), under no_grad."""
+    step = type(opt).step.__wrapped__.__wrapped__
+
+    def run():
+        with torch.no_grad():
+            step(opt)
+
+    return run
+
+
+def _replica(model: nn.Module, grads: list[torch.Tensor], foreach: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    m = copy.deepcopy(model)
+    for p, g in zip(m.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    return m, torch.optim.Adam(m.parameters(), lr=1e-3, foreach=foreach)
+
+
+def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return list(model.parameters()) + [t for s in opt.state.values() for t in s.values()]
+
+
+def _held(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    return live_bytes(model, [p.grad for p in model.parameters()], list(opt.state.values()))
+
+
+def _compare(a, b) -> dict:
+    ta, tb = [t.detach() for t in _tensors(*a)], [t.detach() for t in _tensors(*b)]
+    return {
+        "bitwise": all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True)),
+        "max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(ta, tb, strict=True)),
+    }
+
+
+@contextlib.contextmanager
+def _watch_inference(seen: dict):
+    """Record the graph our inference compiler receives and the one it lowers to."""
+    original = PlanningBackend._inference
+
+    def spy(self, gm, example_inputs):
+        seen["copies_captured"] = sum(n.target is COPY_ for n in gm.graph.nodes)
+        run = original(self, gm, example_inputs)
+        lowered = run.graph_module.graph
+        seen["copies_lowered"] = sum(n.target is COPY_ for n in lowered.nodes)
+        seen["lowered_ops"] = collections.Counter(
+            str(n.target) for n in lowered.nodes if n.op == "call_function" and "getitem" not in str(n.target)
+        )
+        return run
+
+    PlanningBackend._inference = spy
+    try:
+        yield
+    finally:
+        PlanningBackend._inference = original
+
+
+def _first_call(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int) -> dict:
+    eager = _replica(model, grads, foreach)
+    traced = _replica(model, grads, foreach)
+    ours = _replica(model, grads, foreach)
+    seen: dict = {}
+    row: dict = {"foreach": foreach, "param_tensors": len(list(model.parameters()))}
+    row["param_bytes"] = live_bytes(model)
+
+    with _watch_inference(seen):
+        opt_step = optsched.optimize(_step_fn(ours[1]), None)
+        row["optsched_first_call_s"] = _first_call(opt_step)
+    plan = opt_step.plan
+    row["optsched_plan_s"] = plan.solve_time_s
+    row["optsched_n_ops"] = len(plan.problem.ops)
+    row["optsched_status"] = plan.solver_status
+    row["copies_captured"] = seen["copies_captured"]
+    row["copies_lowered"] = seen["copies_lowered"]
+    row["writes_folded"] = seen["copies_captured"] - seen["copies_lowered"]
+    row["lowered_ops"] = dict(seen["lowered_ops"].most_common(12))
+
+    traced_step = torch.compile(_step_fn(traced[1]), backend="eager", fullgraph=True)
+    traced_step()
+    eager[1].step()
+    variants = {"optsched": (opt_step, ours)}
+    if inductor:
+        ind = _replica(model, grads, foreach)
+        with torch._inductor.config.patch(force_disable_caches=True):
+            ind_step = torch.compile(_step_fn(ind[1]), fullgraph=True)
+            row["inductor_first_call_s"] = _first_call(ind_step)
+        variants["inductor"] = (ind_step, ind)
+    for _ in range(steps - 1):
+        eager[1].step()
+        traced_step()
+        for fn, _ in variants.values():
+            fn()
+    for name, (_, state) in variants.items():
+        row[f"{name}_vs_eager"] = _compare(state, eager)
+        row[f"{name}_vs_traced"] = _compare(state, traced)
+
+    # peak above what the step starts with (parameters, gradients, state)
+    row["eager_peak_bytes"] = measure_peak(eager[1].step).peak_bytes
+    for name, (fn, state) in variants.items():
+        row[f"{name}_peak_bytes"] = measure_peak(fn).peak_bytes
+    row["optsched_predicted_peak_bytes"] = plan.predicted_peak_bytes - _held(*ours)
+    assert opt_step.plan is plan, "re-planned"
+
+    for name, (fn, _) in variants.items():
+        t, t_eager = measure_ratio(fn, eager[1].step, repeat=repeat)
+        row[f"{name}_step_s"], row[f"{name}_eager_step_s"] = t, t_eager
+        row[f"{name}_time_ratio"] = t / t_eager
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=16, help="GPT blocks (12 parameter tensors each, plus 4)")
+    ap.add_argument("--embd", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3, help="steps before comparing with eager")
+    ap.add_argument("--repeat", type=int, default=11, help="timed steps per variant")
+    ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (needs a C++ compiler, slow)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument(
+        "--no-dynamo-decompositions", action="store_true",
+        help="keep addcmul_/addcdiv_ whole (torch._dynamo.config.enable_dynamo_decompositions = False)",
+    )
+    ap.add_argument("--foreach", choices=["both", "false", "true"], default="both")
+    ap.add_argument("--json", type=Path, default=RESULTS / "adam_step.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.no_dynamo_decompositions:
+        torch._dynamo.config.enable_dynamo_decompositions = False
+
+    cfg = GPTConfig(n_layer=args.layers, n_embd=args.embd, n_head=4, vocab_size=1000, block_size=64)
+    model = build(cfg, seed=0)
+    model(*make_batch(cfg, batch_size=4)).backward()  # realistic gradients, shared by every replica
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+
+    modes = {"both": [False, True], "false": [False], "true": [True]}[args.foreach]
+    rows = {}
+    for foreach in modes:
+        torch._dynamo.reset()
+        name = "foreach" if foreach else "for-loop"
+        rows[name] = run_one(model, grads, foreach, args.steps, not args.no_inductor, args.repeat)
+        rows[name]["dynamo_decompositions"] = torch._dynamo.config.enable_dynamo_decompositions
+        rows[name]["threads"] = torch.get_num_threads()
+        rows[name]["torch"] = torch.__version__
+        print(f"{name}: done", flush=True)
+
+    kib = 1024
+    print(f"\nAdam step, GPT with {rows[next(iter(rows))]['param_tensors']} parameter tensors "
+          f"({rows[next(iter(rows))]['param_bytes'] / 2**20:.1f} MiB), CPU, {torch.get_num_threads()} threads")
+    print(f"{'':>9} | {'compile s (1st call)':>26} | {'step ms (vs eager, alternating)':>40} | "
+          f"{'peak KiB above start':>38} | {'same as eager / traced':>22}")
+    print(f"{'':>9} | {'optsched':>8} {'(plan)':>7} {'inductor':>9} | {'eager':>7} {'optsched':>8} {'ratio':>5} "
+          f"{'inductor':>8} {'ratio':>5} | {'eager':>8} {'optsched':>8} {'(pred)':>8} {'inductor':>9} | "
+          f"{'optsched':>10} {'inductor':>10}")
+    for name, r in rows.items():
+        ind = "inductor_first_call_s" in r
+        fmt = lambda c: ("=" if c["bitwise"] else f"{c['max_abs_diff']:.0e}")
+        print(
+            f"{name:>9} | {r['optsched_first_call_s']:8.1f} {r['optsched_plan_s']:7.1f} "
+            f"{r['inductor_first_call_s'] if ind else float('nan'):9.1f} | "
+            f"{r['optsched_eager_step_s'] * 1e3:7.2f} {r['optsched_step_s'] * 1e3:8.2f} {r['optsched_time_ratio']:5.2f} "
+            f"{r['inductor_step_s'] * 1e3 if ind else float('nan'):8.2f} {r['inductor_time_ratio'] if ind else float('nan'):5.2f} | "
+            f"{r['eager_peak_bytes'] / kib:8.0f} {r['optsched_peak_bytes'] / kib:8.0f} "
+            f"{r['optsched_predicted_peak_bytes'] / kib:8.0f} {r['inductor_peak_bytes'] / kib if ind else float('nan'):9.0f} | "
+            f"{fmt(r['optsched_vs_eager']):>4} / {fmt(r['optsched_vs_traced']):<3} "
+            f"{fmt(r['inductor_vs_eager']) if ind else '-':>4} / {fmt(r['inductor_vs_traced']) if ind else '-':<3}"
+        )
+        print(f"{'':>9}   optsched folded {r['writes_folded']} of {r['copies_captured']} copy-back writes; "
+              f"{r['optsched_n_ops']} ops planned, {r['optsched_status']}")
+    print("'=': bitwise equal; otherwise the largest difference. traced: the same Dynamo graph run op by op.")
+    write_result(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

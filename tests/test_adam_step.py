@@ -1,0 +1,360 @@
+"""Optimizer steps: input mutations folded into the ops that compute them (`optsched.inplace`).
+
+How an optimizer step is compiled (torch 2.13):
+
+* `opt.step` graph-breaks on purpose (`torch._dynamo.graph_break()` in its `_use_grad`
+  wrapper), so `optimize(lambda: opt.step())` (fullgraph) fails. The step compiles whole
+  when the undecorated `Adam.step` is called under `torch.no_grad()` (`_step_fn`).
+* Dynamo initializes missing optimizer state itself, so no eager step is needed first.
+* Dynamo traces Adam's `capturable=True` branch whatever the group says (bias corrections
+  as float32 tensor ops) and rewrites `addcmul_`/`addcdiv_` with a value into mul + fma.
+  No compiled step, torch.compile's inductor included, is bitwise equal to eager
+  `opt.step()` (about 4e-8 apart after 3 steps); the bitwise reference is the same traced
+  program run op by op (`torch.compile(..., backend="eager")`).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch import fx, nn
+from torch._dynamo.backends.common import aot_autograd
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import optsched
+from optsched.backend import PlanningBackend
+from optsched.inplace import fold_copy_back
+from optsched.measure import live_bytes, measure_peak
+
+TIME_LIMIT_S = 1.0
+COPY_ = torch.ops.aten.copy_.default
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def capture(fn, *args) -> fx.GraphModule:
+    """The inference graph AOTAutograd hands our backend for `fn(*args)` (input mutations kept)."""
+    graphs = []
+
+    def compiler(gm, _inputs):
+        graphs.append(copy.deepcopy(gm))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, keep_inference_input_mutations=True)
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*[a.clone() for a in args])
+    (gm,) = graphs
+    return gm
+
+
+def _random_inputs(gm: fx.GraphModule, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        v = p.meta["val"]
+        out.append(torch.randn(v.shape, generator=g, dtype=v.dtype).as_strided(v.shape, v.stride()))
+    return out
+
+
+def assert_same_program(before: fx.GraphModule, after: fx.GraphModule) -> None:
+    """Run both graphs in program order on the same inputs: same outputs, same inputs afterwards."""
+    a, b = _random_inputs(before), _random_inputs(before)
+    out_a, out_b = before(*a), after(*b)
+    for x, y in zip(list(out_a) + a, list(out_b) + b, strict=True):
+        assert torch.equal(x, y)
+
+
+def writes(graph: fx.Graph) -> collections.Counter:
+    """Per placeholder: how many nodes write its storage (copy_, out= forms, in-place ops)."""
+    names = {}
+    for p in graph.find_nodes(op="placeholder"):
+        if isinstance(p.meta.get("val"), torch.Tensor):
+            names.setdefault(StorageWeakRef(p.meta["val"].untyped_storage()), p.name)
+    count: collections.Counter = collections.Counter()
+    for n in graph.nodes:
+        target = n.target
+        if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = n.kwargs.get(arg.name) if arg.kwarg_only or i >= len(n.args) else n.args[i]
+            for x in value if isinstance(value, (list, tuple)) else [value]:
+                key = StorageWeakRef(x.meta["val"].untyped_storage())
+                if key in names:
+                    count[names[key]] += 1
+    return count
+
+
+def fold(fn, *args, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule, int]:
+    before = capture(fn, *args)
+    after = copy.deepcopy(before)
+    n = fold_copy_back(after, **kwargs)
+    assert_same_program(before, after)
+    # every mutated input is still written exactly once
+    assert set(writes(after.graph)) == set(writes(before.graph))
+    assert set(writes(after.graph).values()) <= {1}
+    return before, after, n
+
+
+def targets(gm: fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+X, G = torch.randn(8, 8), torch.randn(8, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass on small functions
+
+
+def test_pointwise_update_is_computed_into_the_input():
+    def f(x, g):
+        x.add_(g * 2)
+
+    _, after, n = fold(f, X, G)
+    assert n == 1
+    assert COPY_ not in targets(after)
+    (node,) = [n for n in after.graph.nodes if n.target is torch.ops.aten.add.out]
+    (x,) = [p for p in after.graph.find_nodes(op="placeholder") if p is node.kwargs["out"]]
+    assert node.meta["val"] is x.meta["val"]  # writes x's storage, allocates nothing
+
+
+def test_op_may_read_the_input_it_writes_elementwise():
+    def f(x):
+        x.mul_(x.sum())  # the sum runs before the write in every order
+
+    _, after, n = fold(f, X)
+    assert n == 1 and torch.ops.aten.mul.out in targets(after)
+
+
+def test_op_reading_another_view_of_the_input_it_writes_is_not_folded():
+    def f(x):
+        x.add_(x.t())  # would read elements it already overwrote
+
+    _, after, n = fold(f, X)
+    assert n == 0 and COPY_ in targets(after)
+
+
+def test_new_value_read_by_a_later_op_is_not_folded():
+    def f(x, g):
+        x.mul_(2)
+        return x + g  # reads the new value: the planner could not order it after the write
+
+    _, after, n = fold(f, X, G)
+    assert n == 0 and COPY_ in targets(after)
+    # in program order the readers may read the input after the write instead
+    _, after, n = fold(f, X, G, redirect_readers=True)
+    assert n == 1 and COPY_ not in targets(after)
+
+
+def test_returned_input_is_returned_from_the_folded_write():
+    def f(x, g):
+        x.mul_(g)
+        return x  # AOTAutograd returns the copy_ (an alias of x); the folded write returns x too
+
+    _, after, n = fold(f, X, G)
+    assert n == 1
+    (out,) = after.graph.find_nodes(op="output")
+    assert out.args[0][0].target is torch.ops.aten.mul.out
+
+
+def test_new_value_returned_is_not_computed_into_the_input():
+    def f(x, g):
+        y = x * g
+        x.copy_(y)
+        return y  # must not become an alias of x
+
+    _, after, n = fold(f, X, G, redirect_readers=True)
+    assert n == 1  # x is written from y directly, without the functional copy in between
+    assert torch.ops.aten.mul.Tensor in targets(after) and torch.ops.aten.copy.default not in targets(after)
+
+
+def test_old_value_read_after_the_op_is_not_folded():
+    def f(x, g):
+        new = torch.addcmul(x, g, g)
+        s = (x.t() * 3).sum()  # reads the old x, through a view, after `new` is computed
+        x.copy_(new)
+        return s
+
+    before, after, n = fold(f, X, G)
+    assert torch.ops.aten.t.default in targets(before)
+    assert n == 0 and COPY_ in targets(after)
+
+
+def test_old_value_read_before_the_op_but_not_by_it_is_not_folded():
+    def f(x, g):
+        s = (x.t() * 3).sum()  # nothing orders this read before the write once they are independent
+        x.add_(g)
+        return s
+
+    _, after, n = fold(f, X, G)
+    assert n == 0 and COPY_ in targets(after)
+
+
+def test_one_value_copied_into_two_inputs():
+    def f(x, g):
+        t = x + g
+        x.copy_(t)
+        g.copy_(t)
+
+    before, after, n = fold(f, X, G)
+    assert targets(before).count(torch.ops.aten.copy.default) == 2
+    # the functional copies go; each input is written straight from t
+    assert n == 2
+    assert torch.ops.aten.copy.default not in targets(after)
+    assert targets(after).count(COPY_) == 2
+    # t computed into x, then copied from x into g
+    _, after, n = fold(f, X, G, redirect_readers=True)
+    assert n == 2 and targets(after).count(COPY_) == 1 and torch.ops.aten.add.out in targets(after)
+
+
+def test_inputs_aliasing_one_storage():
+    base = torch.randn(8)
+
+    def f(a, b):
+        a.mul_(2)
+        b.add_(1)
+
+    graphs = []
+
+    def compiler(gm, _inputs):
+        graphs.append(copy.deepcopy(gm))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, keep_inference_input_mutations=True)
+    with torch.no_grad():
+        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(base[:5], base[3:])
+    (before,) = graphs
+    after = copy.deepcopy(before)
+    fold_copy_back(after)
+    assert_same_program(before, after)
+    assert list(writes(after.graph).values()) == [1]  # AOTAutograd passes the base once
+
+    ref = torch.randn(8)
+    got = ref.clone()
+    f(ref[:5], ref[3:])
+    opt = optsched.optimize(f, time_limit_s=TIME_LIMIT_S)
+    with torch.no_grad():
+        opt(got[:5], got[3:])
+    assert torch.equal(got, ref)
+
+
+def test_foreach_update_becomes_the_in_place_foreach_op():
+    xs, ys = [torch.randn(4, 4) for _ in range(3)], [torch.randn(4, 4) for _ in range(3)]
+
+    def f(a, b, c, d, e, h):
+        torch._foreach_addcmul_([a, b, c], [d, e, h], [d, e, h], value=0.5)
+
+    _, after, n = fold(f, *xs, *ys)
+    assert n == 3
+    assert torch.ops.aten._foreach_addcmul_.Scalar in targets(after)
+    assert COPY_ not in targets(after) and torch.ops.aten._foreach_addcmul.Scalar not in targets(after)
+
+
+def test_foreach_outputs_read_later_are_not_folded():
+    def f(a, b):
+        torch._foreach_mul_([a, b], 2.0)
+        return a.sum() + b.sum()
+
+    _, after, n = fold(f, X, G)
+    assert n == 0 and targets(after).count(COPY_) == 2
+
+
+def test_foreach_reading_a_written_list_element_elsewhere_is_not_folded():
+    def f(a, b):
+        torch._foreach_add_([a, b], [b, a])  # each element also read at another position
+
+    _, after, n = fold(f, X, G)
+    assert n == 0 and targets(after).count(COPY_) == 2
+
+
+def test_foreach_with_one_tensor_twice_is_not_folded():
+    def f(a):
+        torch._foreach_mul_([a, a], 2.0)
+
+    _, _, n = fold(f, X)
+    assert n == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam
+
+
+def _model(foreach: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
+
+
+def _step_fn(opt: torch.optim.Optimizer):
+    """`opt.step` without its decorators (one of which graph-breaks on purpose), under no_grad."""
+    step = type(opt).step.__wrapped__.__wrapped__
+
+    def run():
+        with torch.no_grad():
+            step(opt)
+
+    return run
+
+
+def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values()]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_adam_step(foreach, monkeypatch):
+    seen = {}
+    inference = PlanningBackend._inference
+
+    def spy(self, gm, example_inputs):
+        seen["captured"] = copy.deepcopy(gm)
+        run = inference(self, gm, example_inputs)
+        seen["lowered"] = run.graph_module
+        return run
+
+    monkeypatch.setattr(PlanningBackend, "_inference", spy)
+    model, opt = _model(foreach)
+    ref_model, ref_opt = _model(foreach)
+    eager_model, eager_opt = _model(foreach)
+    step = optsched.optimize(_step_fn(opt), None, time_limit_s=TIME_LIMIT_S)
+    ref = torch.compile(_step_fn(ref_opt), backend="eager", fullgraph=True)
+    for _ in range(3):
+        step()
+        ref()
+        eager_opt.step()
+
+    # bitwise equal to the traced program run op by op; close to eager opt.step()
+    for got, want, eager in zip(
+        list(model.parameters()) + _state(opt),
+        list(ref_model.parameters()) + _state(ref_opt),
+        list(eager_model.parameters()) + _state(eager_opt),
+        strict=True,
+    ):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+    # one write per mutated tensor in the program that runs; the parameter updates are folded
+    captured, lowered = writes(seen["captured"].graph), writes(seen["lowered"].graph)
+    n_params = len(list(model.parameters()))
+    assert len(captured) == 4 * n_params  # parameter, exp_avg, exp_avg_sq, step
+    assert lowered.keys() == captured.keys() and set(lowered.values()) == {1}
+    copies = collections.Counter(n.target for n in seen["lowered"].graph.nodes if n.target is COPY_)
+    assert copies[COPY_] <= 3 * n_params
+
+    # the planner's peak is the allocator's
+    plan = step.plan
+    start = live_bytes(model, [p.grad for p in model.parameters()], _state(opt))
+    measured = measure_peak(step)
+    assert measured.end_bytes == 0
+    assert measured.peak_bytes == plan.predicted_peak_bytes - start
+    assert step.plan is plan

@@ -123,6 +123,24 @@ def offload_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def adam_table(d: dict) -> str:
+    lines = [
+        "| Adam | param tensors | optsched first call (planning) | torch.compile first call | step vs eager: optsched "
+        "| torch.compile | peak above start: eager | optsched (predicted) | torch.compile | writes: copies captured "
+        "| folded into the op | left as copy_ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in d.items():
+        lines.append(
+            f"| {name} | {r['param_tensors']} | {r['optsched_first_call_s']:.1f} s ({r['optsched_plan_s']:.1f} s) | "
+            f"{r['inductor_first_call_s']:.1f} s | {r['optsched_time_ratio']:.2f}x | {r['inductor_time_ratio']:.2f}x | "
+            f"{r['eager_peak_bytes'] / 1024:.0f} KiB | {r['optsched_peak_bytes'] / 1024:.0f} KiB "
+            f"({r['optsched_predicted_peak_bytes'] / 1024:.0f}) | {r['inductor_peak_bytes'] / 1024:.0f} KiB | "
+            f"{r['copies_captured']} | {r['writes_folded']} | {r['copies_lowered']} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
@@ -131,6 +149,7 @@ TABLES = {
     "seed": ("seed_order.json", seed_table),
     "scaling": ("scaling.json", scaling_table),
     "offload": ("offload.json", offload_table),
+    "adam": ("adam_step.json", adam_table),
 }
 
 

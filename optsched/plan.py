@@ -187,6 +187,9 @@ class Plan:
             "peak_step": sim.peak_step,
             "budget_bytes": self.budget_bytes,
             "unplanned_live_bytes": downsample(self.baseline.timeline)[0],
+            "unplanned_steps_per_point": downsample(self.baseline.timeline)[1],
+            "unplanned_n_steps": len(self.baseline.timeline),
+            "unplanned_n_forward_steps": self.baseline.n_forward_steps,
             "unplanned_peak_bytes": self.baseline.peak_bytes,
         }
 

@@ -1,6 +1,7 @@
 """optsched: fit a PyTorch training step into a device-memory budget at the least cost in time."""
 
 from .api import optimize
+from .offline import plan_offline
 from .budget import parse_budget
 from .costs import PROFILES, DeviceProfile
 from .plan import SUMMARY_KEYS, Plan
@@ -20,4 +21,5 @@ __all__ = [
     "load_plan",
     "optimize",
     "parse_budget",
+    "plan_offline",
 ]

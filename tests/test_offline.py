@@ -1,0 +1,215 @@
+"""plan_offline: fake-tensor capture through AOTAutograd, planned for a GPU profile, never lowered."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+import torch.nn as nn
+
+import optsched
+from benchmarks.models import gpt, llama
+from optsched.measure import measure_peak
+from optsched.offline import default_dtype, plan_offline
+from tests import models
+
+TINY = llama.Config.from_name("tiny-llama")  # 2 layers, n_embd 128, grouped-query attention, bf16
+ONE_LAYER = llama.Config.from_name("tiny-llama", n_layer=1)
+
+
+def _tiny_llama():
+    return llama.LLaMA(TINY)
+
+
+def _tiny_batch():
+    return llama.make_batch(TINY, 2, 64)
+
+
+def test_small_llama_plan_for_h100_and_its_file(tmp_path):
+    plan = plan_offline(_tiny_llama, _tiny_batch, "85%", device_profile="h100", time_limit_s=1)
+    assert plan.kind == "training" and plan.problem.has_backward
+    assert plan.profile.name == "h100" and plan.timing == "roofline"
+    assert plan.offload_allowed  # a CUDA profile: offloading is on by default
+    assert plan.fingerprint and len(plan.fingerprint["hash"]) == 64
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline.peak_bytes
+
+    pf = optsched.load_plan(plan.save(tmp_path / "tiny.json"))
+    assert pf.fingerprint == plan.fingerprint
+    assert pf.summary == plan.summary()
+    made_for = pf.data["made_for"]
+    assert (made_for["kind"], made_for["device_profile"], made_for["budget"]) == ("training", "h100", "85%")
+    assert pf.data["decisions"]["ops"] == [o.name for o in plan.problem.ops]
+
+
+def test_attention_costs_as_on_the_gpu():
+    """The fake capture holds the CPU flash-attention kernel, which torch counts no FLOPs for; it is
+    costed with the CUDA flash kernel's formula, so it is compute-bound like the real thing."""
+    cfg = llama.Config.from_name("tiny-llama", block_size=2048)
+    plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, 1, 2048), None, time_limit_s=2)
+    attn = [o for o in plan.problem.ops if "flash_attention" in o.name]
+    assert len(attn) == 2 * cfg.n_layer  # forward and backward per layer
+    p = plan.profile
+    B, H, T, hs = 1, cfg.n_head, 2048, cfg.head_size
+    forward = next(o for o in attn if "backward" not in o.name)
+    backward = next(o for o in attn if "backward" in o.name)
+    assert forward.time_s == pytest.approx(4 * B * H * T * T * hs / p.half_flops + p.launch_s, rel=1e-6)
+    assert backward.time_s == pytest.approx(10 * B * H * T * T * hs / p.half_flops + p.launch_s, rel=1e-6)
+
+
+def test_no_real_memory_for_a_model_of_gigabytes():
+    cfg = llama.Config(n_layer=4, n_embd=8192, n_head=64, vocab_size=32000, block_size=256, intermediate_size=4 * 8192)
+    param_bytes = cfg.param_bytes()
+    assert param_bytes > 8 * 2**30  # 4.6 B bf16 parameters (and as many gradient bytes), if they were real
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    measured = measure_peak(
+        lambda: plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, 1, 128), None, time_limit_s=2)
+    )
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    plan = measured.result
+    assert plan.kind == "training"
+    assert plan.baseline.peak_bytes > 2 * param_bytes  # it planned for the real sizes: parameters and gradients
+    assert grown < 0.25 * param_bytes  # the process's peak resident memory
+    assert measured.peak_bytes < 64 * 2**20  # torch's CPU allocator, every allocation seen by the profiler
+
+
+def _gpt_small():
+    cfg = gpt.GPTConfig(n_layer=1, n_embd=64, vocab_size=256, block_size=32)
+    return gpt.build(cfg), gpt.make_batch(cfg, 2, 32)
+
+
+def _llama_partial_rope():  # rotary on half of each head, tied head, biases
+    cfg = llama.Config.from_name("tiny-llama", n_layer=1, rotary_percentage=0.5, tie_embeddings=True, bias=True)
+    return llama.build(cfg), llama.make_batch(cfg, 2, 32)
+
+
+@pytest.mark.parametrize("build", [_llama_partial_rope, _gpt_small, models.conv, models.tied_lm, models.dropout_mlp],
+                         ids=["llama-partial-rope-tied", "gpt", "conv", "tied_lm", "dropout_mlp"])
+def test_same_fingerprint_as_a_real_capture(build):
+    """Same model, same shapes: the fake AOTAutograd capture is the graph optimize() captures through
+    Dynamo on real tensors (primals in Dynamo's order), so plan files match. (The tiny LLaMA is
+    checked by test_offline_plan_file_replays_in_optimize, which needs the same fingerprint.)"""
+    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, time_limit_s=2)
+    model, inputs = build()
+    real = optsched.optimize(model, None, example_inputs=inputs, device_profile="h100", time_limit_s=2).plan
+    assert offline.fingerprint["hash"] == real.fingerprint["hash"]
+    assert [o.name for o in offline.problem.ops] == [o.name for o in real.problem.ops]
+    assert offline.baseline.peak_bytes == real.baseline.peak_bytes
+
+
+class _BranchesUnlessTraced(nn.Module):
+    """Like transformers' mask helpers: a data-dependent check, skipped under a tracer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling() and (x == 0).all():  # needs the data: fails on fake tensors
+            return x.sum() * 0
+        return self.lin(x).pow(2).mean()
+
+
+def test_the_forward_sees_a_tracer():
+    plan = plan_offline(_BranchesUnlessTraced, lambda: (torch.randn(4, 8),), None, time_limit_s=1)
+    assert plan.kind == "training" and any("mm" in o.name for o in plan.problem.ops)
+    assert not torch.compiler.is_compiling()
+
+
+@pytest.mark.slow
+def test_hf_gpt2_fingerprint():
+    """transformers branches on data unless it sees a tracer (torch.compiler.is_compiling())."""
+    pytest.importorskip("transformers")
+    from benchmarks.models import hf_gpt2
+
+    def build():
+        return hf_gpt2.build(n_layer=1, n_embd=64, n_head=2, vocab_size=100, n_positions=32), hf_gpt2.make_batch(2, 16, 100)
+
+    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, time_limit_s=2)
+    model, inputs = build()
+    real = optsched.optimize(model, None, example_inputs=inputs, device_profile="h100", time_limit_s=2).plan
+    assert offline.fingerprint["hash"] == real.fingerprint["hash"]
+
+
+def test_offline_plan_file_replays_in_optimize(tmp_path):
+    """A plan made offline (offloading off, so it also runs on this CPU) is used by optimize() without
+    solving, and the step runs with the gradients of eager."""
+    path = tmp_path / "plan.json"
+
+    def batch():
+        return llama.make_batch(ONE_LAYER, 2, 64)
+
+    offline = plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, "85%", offload=False, time_limit_s=1)
+    offline.save(path)
+    torch.manual_seed(0)
+    model = llama.LLaMA(ONE_LAYER)
+    inputs = batch()
+    opt = optsched.optimize(model, "85%", example_inputs=inputs, device_profile="h100", plan=path)
+    assert any("loaded from" in n for n in opt.plan.stats.notes)
+    assert opt.plan.predicted_peak_bytes == offline.predicted_peak_bytes
+    loss = opt(*inputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = model(*inputs)
+    ref.backward()
+    assert torch.equal(loss, ref)
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n].float(), p.grad.float(), atol=1e-2), n
+
+
+def test_forward_only_when_nothing_requires_grad():
+    def frozen():
+        return llama.LLaMA(TINY).requires_grad_(False)
+
+    plan = plan_offline(frozen, _tiny_batch, None, time_limit_s=2)
+    assert plan.kind == "inference" and plan.fingerprint
+
+
+@pytest.mark.parametrize("executor", ["inductor", "nvfuser"])
+def test_fusion_groups_are_planned_not_compiled(executor):
+    """Groups come from the executor's fusion rules (nvFuser's too, with no nvFuser and no GPU here);
+    their time is their roofline; nothing is compiled."""
+    plan = plan_offline(lambda: llama.LLaMA(ONE_LAYER), lambda: llama.make_batch(ONE_LAYER, 2, 32), None,
+                        executor=executor, time_limit_s=1)
+    assert plan.executor == executor and plan.fusion_groups
+    if executor == "nvfuser":
+        with pytest.raises(ValueError, match="CUDA"):
+            plan_offline(_tiny_llama, _tiny_batch, None, executor="nvfuser", device_profile="cpu")
+
+
+def test_infeasible_budget_says_so():
+    with pytest.raises(optsched.BudgetInfeasibleError) as e:
+        plan_offline(lambda: llama.LLaMA(ONE_LAYER), _tiny_batch, "20%", time_limit_s=1)
+    assert e.value.lowest_peak_bytes > e.value.budget_bytes
+
+
+def test_factory_mistakes_are_named():
+    built = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="real tensors"):
+        plan_offline(lambda: built, lambda: (torch.randn(2, 4),))
+    with pytest.raises(RuntimeError, match="default_dtype"):
+        plan_offline(lambda: nn.Linear(4, 4).to(torch.bfloat16), lambda: (torch.randn(2, 4, dtype=torch.bfloat16),))
+    with pytest.raises(ValueError, match="measure"):
+        plan_offline(_tiny_llama, _tiny_batch, device_profile="measured")
+
+
+def test_default_dtype_builds_bf16_and_restores():
+    cfg = gpt.GPTConfig(n_layer=1, n_embd=64, n_head=2, vocab_size=100, block_size=32)
+
+    def factory():
+        with default_dtype(torch.bfloat16):
+            return gpt.GPT(cfg)
+
+    plan = plan_offline(factory, lambda: gpt.make_batch(cfg, 2, 16), None, time_limit_s=2)
+    assert torch.get_default_dtype() == torch.float32
+    wte = next(sig for sig in plan.fingerprint["nodes"] if sig[2] == "100x64")
+    assert wte[0].startswith("primals") and wte[3] == "bfloat16"
+
+
+def test_caller_random_stream_untouched():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    plan_offline(lambda: models.dropout_mlp()[0], lambda: models.dropout_mlp()[1], None, time_limit_s=2)
+    assert torch.equal(torch.rand(3), expected)

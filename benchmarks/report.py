@@ -141,6 +141,31 @@ def adam_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def offline_table(d: dict) -> str:
+    gib = 2**30
+    lines = [
+        "| model | ops | params | capture | budget | predicted peak | est. time | status | gap | recomputed / offloaded "
+        "| plan s | planner memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in d["models"]:
+        head = (f"{m['model']} ({m['batch']}) | {m['n_ops']} | {m['param_bytes'] / gib:.2f} GiB | {m['capture_s']:.1f} s")
+        mem = f"+{m['rss_growth_bytes'] / 2**20:.0f} MiB"
+        for b in m["budgets"]:
+            if b["feasible"]:
+                row = (f"{b['budget']} ({b['budget_bytes'] / gib:.2f} GiB) | {b['predicted_peak_bytes'] / gib:.2f} GiB | "
+                       f"{b['time_ratio']:.3f}x | {b['solver_status']} | {b['gap']:.1%} | "
+                       f"{b['n_recomputed']} / {b['n_offloaded']} | {b['plan_s']:.1f}")
+            else:
+                row = (f"{b['budget']} ({b['budget_bytes'] / gib:.2f} GiB) | infeasible (lowest {b['lowest_peak_bytes'] / gib:.2f}"
+                       f" GiB, bound {b['lower_bound_bytes'] / gib:.2f}) | | | | | {b['plan_s']:.1f}")
+            lines.append(f"| {head} | {row} | {mem} |")
+            head = " | | | "
+    lines += ["", f"Unplanned peaks: " + ", ".join(f"{m['model']} {m['unplanned_peak_bytes'] / gib:.2f} GiB" for m in d["models"])
+              + ". Planner memory: growth of the planning process's peak RSS (the parameters are fake tensors)."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
@@ -150,6 +175,7 @@ TABLES = {
     "scaling": ("scaling.json", scaling_table),
     "offload": ("offload.json", offload_table),
     "adam": ("adam_step.json", adam_table),
+    "offline": ("plan_offline.json", offline_table),
 }
 
 

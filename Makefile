@@ -28,7 +28,10 @@ test-all: setup
 bench: setup
 	$(BIN)/python -m benchmarks.seed_order
 	$(BIN)/python -m benchmarks.offload
+	$(BIN)/python -m benchmarks.plan_offline
+	$(BIN)/python -m benchmarks.adam_step
 	$(BIN)/python -m benchmarks.gpt_budget
+	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

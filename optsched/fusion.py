@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from .costs import DeviceProfile, node_flops, random_like
 from .executors.base import Executor
+from .fingerprint import fingerprint
 from .joint_graph import JointGraph
 from .measure import measure_peak
 from .solvers.fusion import check_group, internal_tensors
@@ -108,7 +109,8 @@ def build_group(jg: JointGraph, problem: Problem, members: list[int], nodes: lis
         value(n)
         for g in jg.getitems.get(n, []):
             value(g)
-    made = [s for o in members for s in problem.ops[o].outputs if s not in inside]
+    # storages only: order tokens (ids past the graph's storages) exist in the problem alone
+    made = [s for o in members for s in problem.ops[o].outputs if s not in inside and s < len(jg.storages)]
     outputs = [_storage_holder(jg, s) for s in made]
     graph.output(tuple(env[o] for o in outputs))
     # placeholders first, in the order they were made
@@ -141,7 +143,8 @@ def compile_groups(groups: list[Group], executor: Executor, device: torch.device
     with unset_fake_temporarily():
         for g in groups:
             example = [random_like(n.meta["val"], device) for n in g.inputs]
-            key = g.module.code + repr([(tuple(x.shape), x.stride(), x.dtype) for x in example])
+            # by structure, not node names: the same group in every layer compiles once
+            key = fingerprint(g.module)["hash"] + repr([(tuple(x.shape), x.stride(), x.dtype) for x in example])
             if key not in cache:
                 cache[key] = executor.compile_group(g.module, example)
             g.kernel = cache[key]

@@ -147,3 +147,22 @@ def test_nvfuser_on_cpu_is_a_clear_error():
     f = optsched.optimize(lambda x: x.relu() + 1, None, executor="nvfuser")
     with pytest.raises(ValueError, match="CUDA"):
         f(torch.ones(4))
+
+
+def test_fusion_groups_next_to_writes_into_inputs():
+    """Order tokens of a write are problem-only tensors: a group touching them still compiles and runs."""
+
+    def f(x, buf):
+        y = torch.relu(x * 2 + 1)
+        buf.mul_(0.9).add_(y * 0.1)
+        return (y * 3).sum()
+
+    x, buf = torch.randn(64, 64), torch.randn(64, 64)
+    ref_buf = buf.clone()
+    ref = f(x, ref_buf)
+    opt = optsched.optimize(f, None, executor="inductor", time_limit_s=2)
+    with torch.no_grad():
+        out = opt(x, buf)
+    assert opt.plan.fusion_groups
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-6)

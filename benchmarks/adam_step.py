@@ -42,7 +42,7 @@ RESULTS = Path(__file__).parent / "results"
 COPY_ = torch.ops.aten.copy_.default
 
 
-def _step_fn(opt: torch.optim.Optimizer):
+def step_fn(opt: torch.optim.Optimizer):
     """`opt.step` without its decorators (one graph-breaks on purpose), under no_grad."""
     step = type(opt).step.__wrapped__.__wrapped__
 
@@ -113,7 +113,7 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
     row["param_bytes"] = live_bytes(model)
 
     with _watch_inference(seen):
-        opt_step = optsched.optimize(_step_fn(ours[1]), None)
+        opt_step = optsched.optimize(step_fn(ours[1]), None)
         row["optsched_first_call_s"] = _first_call(opt_step)
     plan = opt_step.plan
     row["optsched_plan_s"] = plan.solve_time_s
@@ -124,14 +124,14 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
     row["writes_folded"] = seen["copies_captured"] - seen["copies_lowered"]
     row["lowered_ops"] = dict(seen["lowered_ops"].most_common(12))
 
-    traced_step = torch.compile(_step_fn(traced[1]), backend="eager", fullgraph=True)
+    traced_step = torch.compile(step_fn(traced[1]), backend="eager", fullgraph=True)
     traced_step()
     eager[1].step()
     variants = {"optsched": (opt_step, ours)}
     if inductor:
         ind = _replica(model, grads, foreach)
         with torch._inductor.config.patch(force_disable_caches=True):
-            ind_step = torch.compile(_step_fn(ind[1]), fullgraph=True)
+            ind_step = torch.compile(step_fn(ind[1]), fullgraph=True)
             row["inductor_first_call_s"] = _first_call(ind_step)
         variants["inductor"] = (ind_step, ind)
     for _ in range(steps - 1):

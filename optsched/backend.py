@@ -123,7 +123,7 @@ class PlanningBackend:
         items = [by_first[unit[0]] if unit[0] in by_first else built.nodes[unit[0]] for unit in fused.members]
         return problem, items
 
-    def _plan_fused(self, jg, built: Built, graph_nodes: int, gm: fx.GraphModule | None = None) -> tuple[Plan, list]:
+    def _plan_fused(self, jg, built: Built, graph_nodes: int) -> tuple[Plan, list]:
         """Plan with the executor's vertical chains; then try each horizontal group, kept only if the
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
@@ -149,10 +149,6 @@ class PlanningBackend:
                     f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "
                     f"time {trial.sim.time_s * 1e3:.3f} ms vs {plan.sim.time_s * 1e3:.3f}"
                 )
-        if gm is not None:
-            plan.fingerprint = fingerprint(gm)
-        plan.offload_allowed = self.offload
-        self.on_plan(plan)
         return plan, items
 
     def _plan(self, problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
@@ -182,10 +178,11 @@ class PlanningBackend:
 
     def _planned(self, gm: fx.GraphModule, jg, name: str) -> tuple[Plan, list]:
         """The plan for this graph: from the plan file when one matches, else solved (and saved when asked)."""
-        path = self._plan_path(gm, name)
+        fp = fingerprint(gm)
+        path = self._plan_path(fp, name)
         if path is not None and path.exists():
             pf = load_plan(path)
-            mismatch = pf.describe_mismatch(fingerprint(gm), **self._made_for(name))
+            mismatch = pf.describe_mismatch(fp, **self._made_for(name))
             if mismatch is None:
                 plan, items = plan_from_file(self, jg, gm, pf, name)
                 self.on_plan(plan)
@@ -199,22 +196,24 @@ class PlanningBackend:
             jg, self.profile, name=name, measured=self._costs(gm, jg),
             offload=self.offload, host_budget_bytes=self.host_budget_bytes,
         )
-        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes), gm)
+        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        plan.fingerprint, plan.offload_allowed = fp, self.offload
         if path is not None:
             plan.save(path)
+        self.on_plan(plan)
         return plan, items
 
     def _made_for(self, name: str) -> dict:
         return {"kind": "training" if name == "training step" else "inference", "budget": str(self.budget),
                 "device_profile": self.profile.name, "executor": self.executor.name, "offload": self.offload}
 
-    def _plan_path(self, gm: fx.GraphModule, name: str) -> Path | None:
+    def _plan_path(self, fp: dict, name: str) -> Path | None:
         if self.plan_spec is None:
             return None
         if self.plan_spec != "auto":
             return Path(self.plan_spec)
         key = hashlib.sha256(json.dumps(self._made_for(name), sort_keys=True).encode()).hexdigest()[:12]
-        return cache_dir() / f"{fingerprint(gm)['hash'][:20]}-{key}.json"
+        return cache_dir() / f"{fp['hash'][:20]}-{key}.json"
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)

@@ -120,3 +120,15 @@ ALL: dict[str, Callable[..., Example]] = {
     "dropout_mlp": dropout_mlp,
     "tied_lm": tied_lm,
 }
+
+
+def gpt_with_eager(batch_size: int = 8):
+    """The bundled GPT, a batch, and eager's measured step on it: the reference the planned steps meet."""
+    from benchmarks.models import gpt
+    from optsched.measure import measure_training_step
+
+    cfg = gpt.GPTConfig()
+    model = gpt.build(cfg)
+    inputs = gpt.make_batch(cfg, batch_size=batch_size)
+    torch.manual_seed(0)
+    return model, inputs, measure_training_step(model, model, inputs)

@@ -4,7 +4,7 @@ How an optimizer step is compiled (torch 2.13):
 
 * `opt.step` graph-breaks on purpose (`torch._dynamo.graph_break()` in its `_use_grad`
   wrapper), so `optimize(lambda: opt.step())` (fullgraph) fails. The step compiles whole
-  when the undecorated `Adam.step` is called under `torch.no_grad()` (`_step_fn`).
+  when the undecorated `Adam.step` is called under `torch.no_grad()` (`benchmarks.adam_step.step_fn`).
 * Dynamo initializes missing optimizer state itself, so no eager step is needed first.
 * Dynamo traces Adam's `capturable=True` branch whatever the group says (bias corrections
   as float32 tensor ops) and rewrites `addcmul_`/`addcdiv_` with a value into mul + fma.
@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import optsched
 from optsched.backend import PlanningBackend
 from optsched.inplace import fold_copy_back
+from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 
 TIME_LIMIT_S = 1.0
@@ -38,8 +39,10 @@ COPY_ = torch.ops.aten.copy_.default
 # helpers
 
 
-def capture(fn, *args) -> fx.GraphModule:
-    """The inference graph AOTAutograd hands our backend for `fn(*args)` (input mutations kept)."""
+def capture(fn, *args, clone: bool = True) -> fx.GraphModule:
+    """The inference graph AOTAutograd hands our backend for `fn(*args)` (input mutations kept).
+
+    `clone=False` passes the arguments themselves (views of one base stay aliased)."""
     graphs = []
 
     def compiler(gm, _inputs):
@@ -48,7 +51,7 @@ def capture(fn, *args) -> fx.GraphModule:
 
     backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, keep_inference_input_mutations=True)
     with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*[a.clone() for a in args])
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*[a.clone() if clone else a for a in args])
     (gm,) = graphs
     return gm
 
@@ -222,16 +225,7 @@ def test_inputs_aliasing_one_storage():
         a.mul_(2)
         b.add_(1)
 
-    graphs = []
-
-    def compiler(gm, _inputs):
-        graphs.append(copy.deepcopy(gm))
-        return make_boxed_func(gm)
-
-    backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, keep_inference_input_mutations=True)
-    with torch.no_grad():
-        torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(base[:5], base[3:])
-    (before,) = graphs
+    before = capture(f, base[:5], base[3:], clone=False)
     after = copy.deepcopy(before)
     fold_copy_back(after)
     assert_same_program(before, after)
@@ -296,17 +290,6 @@ def _model(foreach: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach)
 
 
-def _step_fn(opt: torch.optim.Optimizer):
-    """`opt.step` without its decorators (one of which graph-breaks on purpose), under no_grad."""
-    step = type(opt).step.__wrapped__.__wrapped__
-
-    def run():
-        with torch.no_grad():
-            step(opt)
-
-    return run
-
-
 def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for s in opt.state.values() for t in s.values()]
 
@@ -326,8 +309,8 @@ def test_adam_step(foreach, monkeypatch):
     model, opt = _model(foreach)
     ref_model, ref_opt = _model(foreach)
     eager_model, eager_opt = _model(foreach)
-    step = optsched.optimize(_step_fn(opt), None, time_limit_s=TIME_LIMIT_S)
-    ref = torch.compile(_step_fn(ref_opt), backend="eager", fullgraph=True)
+    step = optsched.optimize(step_fn(opt), None, time_limit_s=TIME_LIMIT_S)
+    ref = torch.compile(step_fn(ref_opt), backend="eager", fullgraph=True)
     for _ in range(3):
         step()
         ref()

@@ -16,6 +16,7 @@ from optsched.measure import live_bytes, measure_peak, measure_training_step
 from optsched.solvers import Phase, default_schedule, simulate
 from optsched.solvers.fusion import check_group, fuse_ops
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
+from tests.models import gpt_with_eager
 
 MiB = 2**20
 
@@ -102,11 +103,7 @@ def test_seed_functions_with_inductor_fusion_reach_0_75_mib(func):
 
 @pytest.fixture(scope="module")
 def gpt_inductor():
-    cfg = gpt.GPTConfig()
-    model = gpt.build(cfg)
-    inputs = gpt.make_batch(cfg, batch_size=8)
-    torch.manual_seed(0)
-    eager = measure_training_step(model, model, inputs)
+    model, inputs, eager = gpt_with_eager()
     budget = int(0.55 * eager.peak_bytes)
     opt = optsched.optimize(model, budget, example_inputs=inputs, executor="inductor")
     torch.manual_seed(0)

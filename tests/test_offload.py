@@ -13,8 +13,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import optsched
-from benchmarks.models import gpt
 from optsched.measure import measure_training_step
+from tests.models import gpt_with_eager
 from optsched.offload_runtime import OffloadDeviceError, OffloadRuntime, _ThreadCopies
 
 MiB = 2**20
@@ -22,12 +22,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def gpt_setup():
-    cfg = gpt.GPTConfig()
-    model = gpt.build(cfg)
-    inputs = gpt.make_batch(cfg, batch_size=8)
-    torch.manual_seed(0)
-    eager = measure_training_step(model, model, inputs)
-    return model, inputs, eager
+    return gpt_with_eager()
 
 
 def _assert_same_grads(got: dict, want: dict) -> None:

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 import optsched
-from benchmarks.models import gpt
 from benchmarks.models.seed_functions import (
     make_inputs,
     memory_peak_efficient_func,
@@ -23,7 +22,7 @@ from benchmarks.models.seed_functions import (
 )
 from optsched import SUMMARY_KEYS, BudgetInfeasibleError
 from optsched.measure import StepMeasurement, live_bytes, measure_peak, measure_training_step
-from tests.models import ALL
+from tests.models import ALL, gpt_with_eager
 
 TIME_LIMIT_S = 2.0
 SEED = 1234
@@ -459,10 +458,7 @@ def test_roofline_profile_is_reported():
 
 
 def _gpt_at(fraction: float):
-    cfg = gpt.GPTConfig()
-    model = gpt.build(cfg)
-    inputs = gpt.make_batch(cfg, batch_size=8)
-    eager = measure_training_step(model, model, inputs)
+    model, inputs, eager = gpt_with_eager()
     return model, inputs, eager, int(fraction * eager.peak_bytes)
 
 

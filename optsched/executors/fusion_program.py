@@ -606,28 +606,27 @@ def _gelu_backward(r: _Recorder, node: fx.Node, a: dict) -> Ref:
     return r.cast(r.ew("mul", g, r.ew("add", cdf, r.ew("mul", x, pdf))), out)
 
 
-@_lowers(aten.addcmul.default)
-def _addcmul(r: _Recorder, node: fx.Node, a: dict) -> Ref:
-    """self + value * t1 * t2, in ATen's order ((value*t1)*t2)."""
+def _add_combined(r: _Recorder, node: fx.Node, a: dict, combine: str) -> Ref:
+    """self + (value * t1) <combine> t2, in ATen's order, in the op-math dtype."""
     out = _val(node).dtype
     cd = _opmath(out)
     t1 = r.cast(a["tensor1"], cd)
     if a["value"] != 1:
         t1 = r.ew("mul", t1, a["value"], dtype=cd)
-    prod = r.ew("mul", t1, a["tensor2"], dtype=cd)
-    return r.cast(r.ew("add", a["self"], prod, dtype=cd), out)
+    term = r.ew(combine, t1, a["tensor2"], dtype=cd)
+    return r.cast(r.ew("add", a["self"], term, dtype=cd), out)
+
+
+@_lowers(aten.addcmul.default)
+def _addcmul(r: _Recorder, node: fx.Node, a: dict) -> Ref:
+    """self + value * t1 * t2."""
+    return _add_combined(r, node, a, "mul")
 
 
 @_lowers(aten.addcdiv.default)
 def _addcdiv(r: _Recorder, node: fx.Node, a: dict) -> Ref:
-    """self + value * t1 / t2, in ATen's order ((value*t1)/t2)."""
-    out = _val(node).dtype
-    cd = _opmath(out)
-    t1 = r.cast(a["tensor1"], cd)
-    if a["value"] != 1:
-        t1 = r.ew("mul", t1, a["value"], dtype=cd)
-    quot = r.ew("div", t1, a["tensor2"], dtype=cd)
-    return r.cast(r.ew("add", a["self"], quot, dtype=cd), out)
+    """self + value * t1 / t2."""
+    return _add_combined(r, node, a, "div")
 
 
 @_lowers(aten.lerp.Scalar, aten.lerp.Tensor)

@@ -1,7 +1,8 @@
 """Planning for a GPU this machine does not have, with none of the model's memory.
 
 `optsched.offline.plan_offline` builds each model and its batch as fake tensors, captures the
-training step with AOTAutograd and plans it for an H100 (roofline op times). For each model:
+training step with AOTAutograd (attention as the CUDA kernel an H100 is predicted to run) and
+plans it for an H100 (roofline op times). For each model:
 capture time, the unplanned step's peak, then plans at 80%, 60% and 40% of it (planning
 time, predicted peak, solver status and gap; an infeasible budget reports the lowest peak
 found), and this process's peak memory (ru_maxrss) against the model's parameter bytes.
@@ -82,7 +83,10 @@ def run_model(spec: dict, budgets: list[int], time_limit_s: float | None, plans_
         "first_plan_s": timings["plan_s"], "first_call_s": time.perf_counter() - t0,
         "graph_nodes": s["graph_nodes"], "n_ops": s["n_ops"], "n_forward_ops": s["n_forward_ops"],
         "unplanned_peak_bytes": s["unplanned_peak_bytes"], "unplanned_time_s": s["unplanned_time_s"],
-        "lower_bound_bytes": s["lower_bound_bytes"], "budgets": [],
+        "lower_bound_bytes": s["lower_bound_bytes"],
+        # the attention kernels captured: the ones predicted for the H100 (optsched.offline.predict_sdpa_backend)
+        "attention_ops": sorted({sig[1] for sig in unplanned.fingerprint["nodes"] if "scaled_dot_product" in sig[1]}),
+        "budgets": [],
     }
     if plans_dir is not None:
         unplanned.save(plans_dir / f"{spec['name']}-unplanned.json")
@@ -122,7 +126,7 @@ def print_rows(rows: list[dict]) -> None:
             f"\n{r['model']} ({r['config']}; batch {r['batch']}; H100 roofline): {r['graph_nodes']} graph nodes, "
             f"{r['n_ops']} ops ({r['n_forward_ops']} forward); capture {r['capture_s']:.1f} s; unplanned peak "
             f"{r['unplanned_peak_bytes'] / GIB:.2f} GiB, step {r['unplanned_time_s'] * 1e3:.1f} ms; "
-            f"no plan below {r['lower_bound_bytes'] / GIB:.2f} GiB"
+            f"no plan below {r['lower_bound_bytes'] / GIB:.2f} GiB; attention {', '.join(r['attention_ops']) or '-'}"
         )
         print(f"{'budget':>7} {'bytes':>10} {'peak':>10} {'time':>7} {'status':>10} {'gap':>7} {'recomp':>6} "
               f"{'offl':>5} {'capture':>8} {'plan':>7}")

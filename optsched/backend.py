@@ -20,6 +20,7 @@ from .fingerprint import fingerprint
 from .plan_file import PlanMismatchError, cache_dir, load_plan
 from .plan_reuse import plan_from_file
 from .inplace import fold_copy_back
+from .restore_ops import restore_fused_pointwise
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
@@ -232,7 +233,10 @@ class PlanningBackend:
                 raise OffloadDeviceError(f"device profile {self.profile.name!r}: {e}") from None
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
-        fold_copy_back(gm)  # input mutations: compute new values into the inputs instead of copying them back
+        restore_fused_pointwise(gm)  # Dynamo's mul + fma back to eager's addcmul/addcdiv
+        # input mutations: compute new values into the inputs instead of copying them back; readers of
+        # a new value read the input after its write (order_writes keeps them after it)
+        fold_copy_back(gm, redirect_readers=True)
         jg = build_joint_graph(gm, None)
         plan, items = self._planned(gm, jg, "forward")
         return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

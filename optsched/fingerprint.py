@@ -3,6 +3,13 @@
 Two captures of the same model with the same input shapes give the same fingerprint;
 a wider layer, another dtype, a changed op or an extra node give another, and the node
 list says which node differs first.
+
+Devices are left out: a `torch.device` argument (`arange(..., device=cpu)`) and a device string
+in a `device=` keyword hash as the same token whatever the device, so a graph captured from CPU
+tensors (plan_offline) and the graph of the same step on CUDA (optimize on the GPU) agree when
+their ops, shapes, strides and dtypes do. What a plan records is device-free too (node names come
+from op names, costs and decisions from node and tensor names), so nothing in a replay depends on
+the device the graph was captured on.
 """
 
 from __future__ import annotations
@@ -28,19 +35,24 @@ def _meta(node: fx.Node) -> tuple[str, str, str]:
     return shape, stride, dtype
 
 
+DEVICE = "<device>"  # every device's token: the hash does not say where the graph was captured
+
+
 def _arg(a, index: dict[fx.Node, int]):
     if isinstance(a, fx.Node):
         return f"%{index[a]}"
+    if isinstance(a, torch.device):
+        return DEVICE
     if isinstance(a, (list, tuple)):
         return [_arg(x, index) for x in a]
     if isinstance(a, dict):
-        return {str(k): _arg(v, index) for k, v in a.items()}
+        return {str(k): DEVICE if k == "device" and isinstance(v, str) else _arg(v, index) for k, v in a.items()}
     return repr(a)
 
 
 def fingerprint(gm: fx.GraphModule, extra: dict | None = None) -> dict:
-    """{"hash": sha256 of every node's op, target, arguments, shapes, strides and dtypes (plus `extra`),
-    "nodes": [[name, target, shape, dtype], ...] for naming the first difference}."""
+    """{"hash": sha256 of every node's op, target, arguments (devices as one token), shapes, strides and
+    dtypes (plus `extra`), "nodes": [[name, target, shape, dtype], ...] for naming the first difference}."""
     index: dict[fx.Node, int] = {}
     full, nodes = [], []
     for i, node in enumerate(gm.graph.nodes):

@@ -28,14 +28,17 @@ may choose can change a value:
   blocks the fold.
 
 `redirect_readers=True` also folds when other nodes read `v`, redirecting them to the
-folded node (they run after `op` in program order, so the program as written stays
-correct). The planner does not order them after the write today, so this is for programs
-that run in their own order; the backend does not use it.
+written input. They run after `op` in program order, and the planner keeps them after the
+write: `problem_builder.order_writes` gives every write an order token that later readers
+of the storage take. The backend folds with it.
+
+**Chains.** `xs.mul_(a).addcmul_(b, c)` on a list is traced as two functional foreach ops
+and a copy back; when each intermediate list is read only by the next op, every op of the
+chain runs in place on `xs` (as eager runs it), with no temporary list and no copy.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Iterable
 
@@ -44,68 +47,13 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from .joint_graph import JointGraph, build_joint_graph
-from .problem_builder import out_variant
+from .op_variants import inplace_foreach, out_overload
 
-__all__ = ["fold_copy_back", "inplace_foreach", "out_overload"]
+__all__ = ["fold_copy_back"]
 
 _COPY_ = torch.ops.aten.copy_.default
 _COPY = torch.ops.aten.copy.default  # functional copy and clone: their out= forms allocate a temporary
 _CLONE = torch.ops.aten.clone.default
-
-
-@functools.cache
-def out_overload(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
-    """The out= overload of `target` with the same arguments plus one kwarg-only out tensor, and its name.
-
-    Pointwise ops go through `problem_builder.out_variant`; others (copy, mm, ...) are
-    matched the same way: every argument but the out one has the functional op's name
-    and type, and the overload returns one tensor.
-    """
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    found = out_variant(target)
-    if found is not None:
-        return found
-    want = [(a.name, str(a.type)) for a in target._schema.arguments]
-    if len(target._schema.returns) != 1 or str(target._schema.returns[0].type) != "Tensor":
-        return None
-    packet = target.overloadpacket
-    for name in packet.overloads():
-        cand = getattr(packet, name)
-        if cand is target:
-            continue
-        args = cand._schema.arguments
-        outs = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
-        if len(outs) != 1 or not outs[0].kwarg_only or len(cand._schema.returns) != 1:
-            continue
-        if [(a.name, str(a.type)) for a in args if a is not outs[0]] == want:
-            return cand, outs[0].name
-    return None
-
-
-@functools.cache
-def inplace_foreach(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """`aten._foreach_<op>_.<overload>` for `aten._foreach_<op>.<overload>`: same arguments, first list written."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    packet = target.overloadpacket
-    if not packet.__name__.startswith("_foreach_") or target._schema.is_mutable:
-        return None
-    inplace_packet = getattr(torch.ops.aten, packet.__name__ + "_", None)
-    if inplace_packet is None or target._overloadname not in inplace_packet.overloads():
-        return None
-    cand = getattr(inplace_packet, target._overloadname)
-    args, want = cand._schema.arguments, target._schema.arguments
-    if len(args) != len(want) or cand._schema.returns:
-        return None
-    if str(args[0].type) != "List[Tensor]":
-        return None
-    for i, (a, w) in enumerate(zip(args, want)):
-        if (a.name, str(a.type), a.kwarg_only) != (w.name, str(w.type), w.kwarg_only):
-            return None
-        if (a.alias_info is not None and a.alias_info.is_write) != (i == 0):
-            return None  # exactly the first list is written
-    return cand
 
 
 def _val(node) -> torch.Tensor | None:
@@ -254,31 +202,68 @@ def _single_fold(g: _Graph, c: fx.Node, redirect_readers: bool) -> tuple | None:
     return c, v, dst, overload, v.args, {**v.kwargs, out_name: dst}
 
 
-def _foreach_fold(g: _Graph, op: fx.Node) -> tuple | None:
-    """(op, in-place overload, copies, getitems) when every output of a foreach op is copied back into its first list."""
-    inplace = inplace_foreach(op.target)
-    if inplace is None or not op.args or not isinstance(op.args[0], (list, tuple)):
-        return None
-    xs = list(op.args[0])
+def _getitems(op: fx.Node) -> list[fx.Node] | None:
+    """The getitem of each output of a foreach op, in order, when it has exactly one per output and no other user."""
     vals = op.meta.get("val")
-    if not xs or not isinstance(vals, (list, tuple)) or len(vals) != len(xs):
+    if not isinstance(vals, (list, tuple)) or not vals:
         return None
     items: dict[int, fx.Node] = {}
     for u in op.users:
         if u.target is not operator.getitem or not isinstance(u.args[1], int) or u.args[1] in items:
             return None
         items[u.args[1]] = u
-    if sorted(items) != list(range(len(xs))):
+    if sorted(items) != list(range(len(vals))):
         return None
-    copies = []
-    storages = []
-    for i, x in enumerate(xs):
-        item = items[i]
-        if not isinstance(x, fx.Node) or x.op != "placeholder" or len(item.users) != 1:
+    return [items[i] for i in range(len(vals))]
+
+
+def _foreach_chain(g: _Graph, op: fx.Node, dsts: list[fx.Node]) -> list[fx.Node] | None:
+    """Foreach ops F1, ..., Fk = `op`, each one's first list the outputs of the one before (read by
+    nothing else), F1's first list `dsts`: `dsts.mul_(a).addcmul_(b, c)` traced functionally. Each can
+    run in place on `dsts`."""
+    chain = [op]
+    cur = op
+    while list(cur.args[0]) != dsts:
+        first = list(cur.args[0])
+        producers = {a.args[0] for a in first if isinstance(a, fx.Node) and a.target is operator.getitem}
+        if len(producers) != 1 or len(chain) > 32:
             return None
-        (c,) = item.users
-        args = _copy_args(c)
-        if args is None or args != (x, item) or c.users:
+        (prev,) = producers
+        if inplace_foreach(prev.target) is None or not prev.args or not isinstance(prev.args[0], (list, tuple)):
+            return None
+        if _getitems(prev) != first:
+            return None
+        leaves = tree_leaves((cur.args, cur.kwargs))
+        for item, dst in zip(first, dsts, strict=True):
+            if set(item.users) != {cur} or sum(a is item for a in leaves) != 1:
+                return None  # read elsewhere, or twice by the next op
+            if not g.fresh(item) or not _same_layout(_val(item), _val(dst)):
+                return None
+        chain.insert(0, prev)
+        cur = prev
+    return chain
+
+
+def _foreach_fold(g: _Graph, op: fx.Node, redirect_readers: bool) -> tuple | None:
+    """(chain, copies, getitems, dsts) when every output of a foreach op is copied back into the first
+    list of the chain of foreach ops computing it (see `_foreach_chain`); the chain then runs in place.
+
+    With `redirect_readers`, outputs may have other readers (not the graph's output): they
+    read the written input instead."""
+    if inplace_foreach(op.target) is None or not op.args or not isinstance(op.args[0], (list, tuple)):
+        return None
+    items = _getitems(op)
+    if items is None or len(items) != len(op.args[0]):
+        return None
+    copies, dsts, storages = [], [], []
+    for item in items:
+        copies_back = [u for u in item.users if (a := _copy_args(u)) is not None and a[1] is item]
+        readers = [u for u in item.users if u not in copies_back]
+        if len(copies_back) != 1 or (readers and (not redirect_readers or any(u.op == "output" for u in readers))):
+            return None
+        (c,) = copies_back
+        x = c.args[0]
+        if c.users or x.op != "placeholder":
             return None
         dx, di = _val(x), _val(item)
         if dx is None or di is None or not _same_layout(dx, di) or not g.fresh(item):
@@ -288,18 +273,23 @@ def _foreach_fold(g: _Graph, op: fx.Node) -> tuple | None:
             return None  # two list elements share a storage
         storages.append(s)
         copies.append(c)
+        dsts.append(x)
+    chain = _foreach_chain(g, op, dsts)
+    if chain is None:
+        return None
     # the other arguments must not read any written storage (an in-place foreach op may
     # process the lists in any order)
     others: set[int] = set()
-    for a in tree_leaves((op.args[1:], op.kwargs)):
-        if isinstance(a, fx.Node):
-            others.update(g.jg.node_storages(a))
+    for f in chain:
+        for a in tree_leaves((f.args[1:], f.kwargs)):
+            if isinstance(a, fx.Node):
+                others.update(g.jg.node_storages(a))
     if others & set(storages):
         return None
-    allowed = set(copies) | set(items.values())
-    if not all(g.only_earlier_touchers(s, op, allowed) for s in storages):
+    allowed = set(copies) | set(items) | set(chain) | {i for f in chain[:-1] for i in _getitems(f)}
+    if not all(g.only_earlier_touchers(s, chain[0], allowed) for s in storages):
         return None
-    return op, inplace, copies, [items[i] for i in range(len(xs))]
+    return chain, copies, items, dsts
 
 
 def fold_copy_back(gm: fx.GraphModule, *, redirect_readers: bool = False) -> int:
@@ -342,7 +332,7 @@ def _fold_round(gm: fx.GraphModule, redirect_readers: bool) -> list[fx.Node]:
         if fold is not None and not {fold[1], fold[2]} & used:
             singles.append(fold)
             used.update((fold[1], fold[2]))
-    groups = [f for f in (_foreach_fold(g, op) for op in foreach_ops) if f is not None]
+    groups = [f for f in (_foreach_fold(g, op, redirect_readers) for op in foreach_ops) if f is not None]
 
     done: list[fx.Node] = []
     for c, op, dst, target, args, kwargs in singles:
@@ -357,15 +347,19 @@ def _fold_round(gm: fx.GraphModule, redirect_readers: bool) -> list[fx.Node]:
         op.replace_all_uses_with(new)  # only with redirect_readers: later readers of the new value
         graph.erase_node(op)
         done.append(dst)
-    for op, inplace, cs, items in groups:
-        with graph.inserting_before(op):
-            new = graph.call_function(inplace, op.args, dict(op.kwargs))
-        new.meta = {k: v for k, v in op.meta.items() if k not in ("val", "tensor_meta")}
-        new.meta["val"] = None  # in-place foreach ops return nothing
+    for chain, cs, items, dsts in groups:
         for c in cs:
-            done.append(c.args[0])
             graph.erase_node(c)
-        for item in items:
-            graph.erase_node(item)
-        graph.erase_node(op)
+        for item, dst in zip(items, dsts, strict=True):
+            item.replace_all_uses_with(dst)  # only with redirect_readers: later readers of the new values
+        for f in chain:
+            with graph.inserting_before(f):
+                new = graph.call_function(inplace_foreach(f.target), (dsts, *f.args[1:]), dict(f.kwargs))
+            new.meta = {k: v for k, v in f.meta.items() if k not in ("val", "tensor_meta")}
+            new.meta["val"] = None  # in-place foreach ops return nothing
+        for f in reversed(chain):
+            for item in _getitems(f):
+                graph.erase_node(item)
+            graph.erase_node(f)
+        done += dsts
     return done

@@ -89,6 +89,13 @@ def _output_nodes(gm: fx.GraphModule) -> list:
     return list(tree_leaves(out.args[0]))
 
 
+def _attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None) -> JointGraph:
     """Index `gm` (a joint graph from the partition hook, or an inference graph when
     `num_fwd_outputs` is None) by storage and phase."""
@@ -115,6 +122,13 @@ def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None) ->
             kind = TensorKind.TANGENT if p in tangents else TensorKind.INPUT
             jg.storage_of[p], _ = storage_for(p, t, kind)
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # a constant the graph module holds (torch.tensor(...) in traced code)
+            t = _tensor_val(node)
+            if t is None and isinstance(value := _attr(gm, node.target), torch.Tensor):
+                t = value
+            if t is not None:
+                jg.storage_of[node], _ = storage_for(node, t, TensorKind.INPUT)
+            continue
         if node.op != "call_function":
             continue
         if node.target is operator.getitem:

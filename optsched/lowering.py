@@ -28,7 +28,8 @@ from torch.fx.graph import _BoxedCodeGen
 from .fusion import Group
 from .joint_graph import JointGraph
 from .offload_runtime import OffloadRuntime, SlotSpec
-from .problem_builder import out_variant
+from .op_variants import inplace_foreach, out_variant
+from .problem_builder import is_foreach_reuse
 from .solvers.offload_sim import OffloadEvent
 from .solvers.problem import Problem, Schedule
 
@@ -56,6 +57,11 @@ class _Program:
     def value(self, node: fx.Node) -> fx.Node:
         if node in self.env:
             return self.env[node]
+        if node.op == "get_attr":  # a constant of the captured module, which roots the lowered one
+            new = self.graph.get_attr(node.target)
+            new.meta = dict(node.meta)
+            self.env[node] = new
+            return new
         if self.jg.is_view(node):
             for a in node.all_input_nodes:
                 self.value(a)
@@ -77,10 +83,22 @@ class _Program:
             self.value(a)
         if into is None:
             self._copy(node)
+        elif is_foreach_reuse(node):
+            self._emit_foreach_in_place(node)
+            return
         else:
             self._emit_into(node, into)
         for g in self.jg.getitems.get(node, []):
             self._copy(g)
+
+    def _emit_foreach_in_place(self, node: fx.Node) -> None:
+        """The foreach op's in-place twin on its first list (all dying here): output i is element i."""
+        xs = [self.value(x) for x in node.args[0]]
+        args = (xs, *fx.map_arg(node.args[1:], self.value))
+        new = self.graph.call_function(inplace_foreach(node.target), args, fx.map_arg(node.kwargs, self.value))
+        new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        for g, x in zip(self.jg.getitems.get(node, []), xs, strict=True):
+            self.env[g] = x
 
     def _emit_group(self, group: Group) -> None:
         args = tuple(self.value(n) for n in group.inputs)

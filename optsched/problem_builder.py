@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,7 @@ import torch.fx as fx
 
 from .costs import DeviceProfile, NodeCosts, node_time
 from .joint_graph import JointGraph
+from .op_variants import inplace_foreach, out_variant
 from .solvers.problem import Op, Phase, Problem, Tensor, TensorKind
 
 _SDPA = {
@@ -50,55 +50,83 @@ def is_recomputable(node: fx.Node) -> bool:
     return True
 
 
-@functools.cache
-def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
-    """The out= overload of an elementwise op with the same inputs, and its out argument's name."""
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
-        return None
-    want = [(a.name, str(a.type)) for a in target._schema.arguments]
-    packet = target.overloadpacket
-    for name in packet.overloads():
-        cand = getattr(packet, name)
-        args = cand._schema.arguments
-        outs = [a for a in args if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only]
-        if len(outs) != 1 or len(cand._schema.returns) != 1:
-            continue
-        if [(a.name, str(a.type)) for a in args if a is not outs[0]] == want:
-            return cand, outs[0].name
-    return None
-
-
-def reuse_candidates(jg: JointGraph) -> dict[str, fx.Node]:
-    """Per compute node that could write into a dying input, the first such input (to test its out= form on)."""
-    out = {}
+def reuse_candidates(jg: JointGraph) -> dict[str, fx.Node | list[fx.Node]]:
+    """Per compute node that could write into dying inputs, what to test its out= form on: the first
+    such input, or for a foreach op the list it would update in place."""
+    out: dict[str, fx.Node | list[fx.Node]] = {}
     for node in jg.compute:
+        if is_foreach_reuse(node):
+            if _foreach_reuse_pairs(jg, node):
+                out[node.name] = list(node.args[0])
+            continue
         pairs = _reuse_pairs(jg, node, jg.outputs_of[node])
         if pairs:
             out[node.name] = pairs[0][2]
     return out
 
 
+def is_foreach_reuse(node: fx.Node) -> bool:
+    """A functional foreach op whose in-place twin updates its first list: it reuses that list or nothing."""
+    return inplace_foreach(node.target) is not None and bool(node.args) and isinstance(node.args[0], (list, tuple))
+
+
+def _fits(jg: JointGraph, a: fx.Node, out: int, out_val: torch.Tensor) -> int | None:
+    """`a`'s storage when `out` (of value `out_val`) could be written into it: an activation of the same
+    layout, covering the whole storage."""
+    v = a.meta.get("val")
+    s = jg.storage_of.get(a)
+    if (
+        isinstance(v, torch.Tensor)
+        and s is not None
+        and jg.storages[s].kind is TensorKind.ACTIVATION
+        and v.shape == out_val.shape
+        and v.dtype == out_val.dtype
+        and v.stride() == out_val.stride()
+        and v.storage_offset() == 0
+        and jg.storages[s].nbytes == jg.storages[out].nbytes == v.numel() * v.element_size()
+    ):
+        return s
+    return None
+
+
 def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> list[tuple[int, int, fx.Node]]:
     """Inputs whose storage this op could write its output into: same layout, covering the whole storage."""
     if len(outs) != 1 or out_variant(node.target) is None:
         return []
-    out_val = node.meta["val"]
     pairs = []
     for a in node.all_input_nodes:
-        v = a.meta.get("val")
-        s = jg.storage_of.get(a)
-        if (
-            isinstance(v, torch.Tensor)
-            and s is not None
-            and jg.storages[s].kind is TensorKind.ACTIVATION
-            and v.shape == out_val.shape
-            and v.dtype == out_val.dtype
-            and v.stride() == out_val.stride()
-            and v.storage_offset() == 0
-            and jg.storages[s].nbytes == jg.storages[outs[0]].nbytes == v.numel() * v.element_size()
-        ):
+        s = _fits(jg, a, outs[0], node.meta["val"])
+        if s is not None:
             pairs.append((outs[0], s, a))
     return pairs
+
+
+def _foreach_reuse_pairs(jg: JointGraph, node: fx.Node) -> list[tuple[int, int]]:
+    """(output i, first list's element i) for every output, when the in-place twin can write them all:
+    each element fits its output, the elements' storages are distinct, and no other argument reads them."""
+    xs = list(node.args[0])
+    items = jg.getitems.get(node, [])
+    if [g.args[1] for g in items] != list(range(len(xs))) or not all(isinstance(x, fx.Node) for x in xs):
+        return []  # an unread output would still overwrite its element, which may be alive
+    pairs = []
+    for x, g in zip(xs, items, strict=True):
+        out = jg.storage_of.get(g)
+        s = _fits(jg, x, out, g.meta.get("val")) if out is not None and isinstance(g.meta.get("val"), torch.Tensor) else None
+        if s is None:
+            return []
+        pairs.append((out, s))
+    written = {s for _, s in pairs}
+    others: set[int] = set()
+    fx.node.map_arg((node.args[1:], node.kwargs), lambda a: others.update(jg.node_storages(a)))
+    if len(written) != len(pairs) or written & others:
+        return []
+    return pairs
+
+
+def _reuse(jg: JointGraph, node: fx.Node, outs: list[int]) -> tuple[tuple[int, int], ...]:
+    if is_foreach_reuse(node):
+        return tuple(_foreach_reuse_pairs(jg, node))
+    return tuple((o, i) for o, i, _ in _reuse_pairs(jg, node, outs))
 
 
 def _dense(v: torch.Tensor) -> bool:
@@ -238,9 +266,8 @@ def build_problem(
                 outputs=tuple(outs),
                 time_s=measured.times[node.name] if measured and node.name in measured.times else node_time(node, profile),
                 recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
-                reuse=tuple((o, i) for o, i, _ in _reuse_pairs(jg, node, outs))
-                if measured and measured.reuse_ok.get(node.name)
-                else (),
+                reuse=_reuse(jg, node, outs) if measured and measured.reuse_ok.get(node.name) else (),
+                reuse_all=is_foreach_reuse(node),
                 workspace_bytes=measured.workspace.get(node.name, 0) if measured else 0,
             )
         )

@@ -19,18 +19,19 @@ from torch.profiler import ProfilerActivity, profile
 
 from .costs import NodeCosts, random_like
 from .measure import _walk
-from .problem_builder import out_variant
+from .op_variants import inplace_foreach, out_variant
 
 _OP = "optsched::"
 _OUT = "optsched_out::"
 
 
 def profile_nodes(
-    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node], repeat: int = 2
+    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 2
 ) -> NodeCosts:
     """Time every node (best of `repeat` runs after a warm-up) and, in one more run under the
     allocation profiler, measure its scratch space; for each node in `reuse_inputs`, also run
-    its out= form into a copy of that input and check it allocates no full-size temporary."""
+    its out= form into a copy of that input (a foreach op: its in-place twin on a copy of its first
+    list) and check it allocates no full-size temporary."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     times: dict[str, float] = {}
@@ -51,11 +52,17 @@ def profile_nodes(
             return out
 
         def _try_out_form(self, n: fx.Node) -> None:
-            overload, out_name = out_variant(n.target)
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            dest = self.env[reuse_inputs[n.name]].clone()
-            with record_function(_OUT + n.name):
-                overload(*args, **{**kwargs, out_name: dest})
+            into = reuse_inputs[n.name]
+            if isinstance(into, list):  # a foreach op: its in-place twin on copies of the first list
+                dest = [self.env[x].clone() for x in into]
+                with record_function(_OUT + n.name):
+                    inplace_foreach(n.target)(dest, *args[1:], **kwargs)
+            else:
+                overload, out_name = out_variant(n.target)
+                dest = self.env[into].clone()
+                with record_function(_OUT + n.name):
+                    overload(*args, **{**kwargs, out_name: dest})
             del dest
 
     with unset_fake_temporarily(), torch.no_grad():
@@ -70,7 +77,7 @@ def profile_nodes(
     return NodeCosts(times, workspace, reuse_ok)
 
 
-def _scratch(prof, reuse_inputs: dict[str, fx.Node]) -> tuple[dict[str, int], dict[str, bool]]:
+def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:
     workspace: dict[str, int] = {}
     out_peak: dict[str, int] = {}
     for event in _walk(prof.profiler.kineto_results.experimental_event_tree()):
@@ -92,8 +99,8 @@ def _scratch(prof, reuse_inputs: dict[str, fx.Node]) -> tuple[dict[str, int], di
             out_peak[name[len(_OUT):]] = peak
     reuse_ok = {}
     for node_name, src in reuse_inputs.items():
-        v = src.meta.get("val")
-        full = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+        vals = [x.meta.get("val") for x in (src if isinstance(src, list) else [src])]
+        full = sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
         got = out_peak.get(node_name)
         reuse_ok[node_name] = got is not None and got < full // 2
         if reuse_ok[node_name]:  # its own temporaries count when it runs in that form

@@ -47,6 +47,9 @@ class Op:
     # (output, input) pairs: the output may be written into the input's storage when
     # that input dies at this op (an elementwise op with an out= variant)
     reuse: tuple[tuple[int, int], ...] = ()
+    # the pairs are taken together or not at all (a foreach op writes its whole first list in
+    # place): every input must die at this op; otherwise one pair is taken, the first that can be
+    reuse_all: bool = False
     workspace_bytes: int = 0  # allocated and freed inside the op (kernel scratch), on top of its outputs
 
 
@@ -113,6 +116,10 @@ class Problem:
                     raise ValueError(f"op {op.name!r} reuse pair ({out}, {inp}) is not (output, input)")
                 if self.tensors[out].bytes != self.tensors[inp].bytes:
                     raise ValueError(f"op {op.name!r} reuses a storage of another size")
+            if op.reuse_all and (
+                len({o for o, _ in op.reuse}) != len(op.reuse) or len({i for _, i in op.reuse}) != len(op.reuse)
+            ):
+                raise ValueError(f"op {op.name!r} reuses storages together, but its pairs share an output or input")
             for t in op.outputs:
                 if self.tensors[t].producer != op.id:
                     raise ValueError(f"tensor {self.tensors[t].name!r} does not name op {op.name!r} as producer")

@@ -179,14 +179,19 @@ def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, spa
     recomputed_before: set[int] = set()
     for k, (o, is_rc) in enumerate(steps):
         op = problem.ops[o]
-        for out, inp in op.reuse:
+        dying = []
+        for _out, inp in op.reuse:
             t = problem.tensors[inp]
             key = (inp, k >= n_fw and t.producer in recomputed_before)
             s, e = span[key]
             if t.kind is TensorKind.ACTIVATION and inp not in problem.outputs and e == k and s < k:
+                dying.append((inp, key))
+                if not op.reuse_all:
+                    break
+        if dying and (not op.reuse_all or len(dying) == len(op.reuse)):
+            for _inp, key in dying:
                 span[key][1] = k - 1
-                reused[k] = inp
-                break
+            reused[k] = dying[0][0]  # for reuse_all, the step writes every pair's input
         if is_rc:
             recomputed_before.add(o)
     return reused

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import copy
+import re
 import resource
 
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import optsched
 from benchmarks.models import gpt, llama
+from optsched.costs import get_profile
+from optsched.fingerprint import fingerprint
 from optsched.measure import measure_peak
-from optsched.offline import default_dtype, plan_offline
+from optsched.offline import (
+    _cuda_sdpa,
+    default_dtype,
+    plan_offline,
+    predict_sdpa_backend,
+)
 from tests import models
 
 TINY = llama.Config.from_name("tiny-llama")  # 2 layers, n_embd 128, grouped-query attention, bf16
@@ -42,12 +54,20 @@ def test_small_llama_plan_for_h100_and_its_file(tmp_path):
     assert pf.data["decisions"]["ops"] == [o.name for o in plan.problem.ops]
 
 
-def test_attention_costs_as_on_the_gpu():
-    """The fake capture holds the CPU flash-attention kernel, which torch counts no FLOPs for; it is
-    costed with the CUDA flash kernel's formula, so it is compute-bound like the real thing."""
+@pytest.mark.parametrize("profile, kernel", [
+    ("h100", "_scaled_dot_product_cudnn_attention"),
+    ("a100", "_scaled_dot_product_flash_attention"),
+    ("cpu", "_scaled_dot_product_flash_attention_for_cpu"),
+])
+def test_attention_costs_as_on_the_gpu(profile, kernel):
+    """A CUDA profile's graph holds the CUDA kernel, costed by torch's own FLOP formula; the cpu
+    profile's holds the CPU kernel, which torch counts no FLOPs for and which gets the CUDA flash
+    formula. Either way attention is compute-bound, not costed by its bytes alone."""
     cfg = llama.Config.from_name("tiny-llama", block_size=2048)
-    plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, 1, 2048), None, time_limit_s=2)
-    attn = [o for o in plan.problem.ops if "flash_attention" in o.name]
+    plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, 1, 2048), None,
+                        device_profile=profile, time_limit_s=2)
+    attn = [o for o in plan.problem.ops if "attention" in o.name]
+    assert {re.sub(r"_\d+$", "", o.name) for o in attn} == {kernel, f"{kernel}_backward"}
     assert len(attn) == 2 * cfg.n_layer  # forward and backward per layer
     p = plan.profile
     B, H, T, hs = 1, cfg.n_head, 2048, cfg.head_size
@@ -55,6 +75,105 @@ def test_attention_costs_as_on_the_gpu():
     backward = next(o for o in attn if "backward" in o.name)
     assert forward.time_s == pytest.approx(4 * B * H * T * T * hs / p.half_flops + p.launch_s, rel=1e-6)
     assert backward.time_s == pytest.approx(10 * B * H * T * T * hs / p.half_flops + p.launch_s, rel=1e-6)
+    moved = 4 * B * H * T * hs * 2 + B * H * T * 4  # q, k, v, out (bf16) and the logsumexp (fp32)
+    assert forward.time_s - p.launch_s > 3 * moved / p.mem_bw  # compute-bound: its FLOPs, not its bytes
+
+
+def _gpt_factory(dtype, **overrides):
+    cfg = gpt.GPTConfig(**{"n_layer": 1, "n_embd": 64, "n_head": 2, "vocab_size": 100, "block_size": 32, **overrides})
+
+    def factory():
+        with default_dtype(dtype):
+            return gpt.GPT(cfg)
+
+    return factory, lambda: gpt.make_batch(cfg, 2, 16)
+
+
+def _attention_ops(plan) -> set[str]:
+    return {sig[1] for sig in plan.fingerprint["nodes"] if "scaled_dot_product" in sig[1]}
+
+
+@pytest.mark.parametrize("profile, dtype, kernel", [
+    ("h100", torch.bfloat16, "cudnn"),  # sm90: cuDNN first (torch >= 2.11 wheels)
+    ("h200", torch.bfloat16, "cudnn"),
+    ("a100", torch.bfloat16, "flash"),
+    ("h100", torch.float32, "efficient"),  # flash and cuDNN take fp16/bf16 only
+    ("a100", torch.float32, "efficient"),
+])
+def test_cuda_profile_captures_the_cuda_attention_kernel(profile, dtype, kernel):
+    """The GPT's F.scaled_dot_product_attention is captured as the kernel the GPU is predicted to run,
+    forward and backward, with no CPU kernel left (so the fingerprint can match a CUDA capture)."""
+    factory, batch = _gpt_factory(dtype)
+    plan = plan_offline(factory, batch, None, device_profile=profile, time_limit_s=2)
+    name = f"_scaled_dot_product_{kernel}_attention"
+    assert _attention_ops(plan) == {f"aten.{name}.default", f"aten.{name}_backward.default"}
+    assert not any("_for_cpu" in sig[1] for sig in plan.fingerprint["nodes"])
+    fwd = next(sig for sig in plan.fingerprint["nodes"] if sig[1] == f"aten.{name}.default")
+    assert fwd[2].startswith("2x2x16x32") and fwd[3].startswith(str(dtype).removeprefix("torch."))
+
+
+def test_sdpa_backends_turned_off_are_skipped(monkeypatch):
+    """The prediction follows the flags the training process can set: cuDNN turned off (sdpa_kernel)
+    or deprioritized (TORCH_CUDNN_SDPA_DEPRIORITIZED=1) leaves flash attention on an H100; a head
+    dim over 256 leaves memory-efficient attention; with no fused kernel allowed, the math composite."""
+    factory, batch = _gpt_factory(torch.bfloat16)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        plan = plan_offline(factory, batch, None, device_profile="h100", time_limit_s=2)
+    assert _attention_ops(plan) == {"aten._scaled_dot_product_flash_attention.default",
+                                    "aten._scaled_dot_product_flash_attention_backward.default"}
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    plan = plan_offline(factory, batch, None, device_profile="h100", time_limit_s=2)
+    assert "aten._scaled_dot_product_flash_attention.default" in _attention_ops(plan)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+
+    factory, batch = _gpt_factory(torch.bfloat16, n_embd=2 * 264)  # head dim 264: neither cuDNN nor flash
+    plan = plan_offline(factory, batch, None, device_profile="h100", time_limit_s=2)
+    assert "aten._scaled_dot_product_efficient_attention.default" in _attention_ops(plan)
+
+    factory, batch = _gpt_factory(torch.bfloat16)
+    with sdpa_kernel([SDPBackend.MATH]):
+        plan = plan_offline(factory, batch, None, device_profile="h100", time_limit_s=2)
+    assert not _attention_ops(plan) and any(sig[1] == "aten.bmm.default" for sig in plan.fingerprint["nodes"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["causal", "bool_mask", "float_mask", "scale_dropout", "head_dim_12"])
+def test_predicted_kernel_call_matches_sdpa(case, dtype):
+    """What the capture calls instead of SDPA is SDPA: same output shape and dtype, a backward, and
+    the kernel arguments SDPA's CUDA composite passes (scale computed from the head dim for flash)."""
+
+    d = 12 if case == "head_dim_12" else 32
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 4, 16, d, dtype=dtype, requires_grad=True) for _ in range(3))
+        kwargs = {"causal": {"is_causal": True}, "scale_dropout": {"scale": 0.3, "dropout_p": 0.25},
+                  "bool_mask": {"attn_mask": torch.ones(16, 16, dtype=torch.bool).tril()},
+                  "float_mask": {"attn_mask": torch.zeros(2, 1, 16, 16, dtype=dtype)}}.get(case, {})
+        for profile in ("h100", "a100"):
+            backend = predict_sdpa_backend(get_profile(profile), q, k, v, kwargs.get("attn_mask"),
+                                           kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False))
+            out = _cuda_sdpa(get_profile(profile), q, k, v, **kwargs)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+            assert out is not NotImplemented
+            assert (out.shape, out.dtype) == (ref.shape, ref.dtype), (profile, backend)
+            out.sum().backward()
+            if dtype == torch.float32:
+                expected = "efficient"  # the only fused kernel for fp32
+            elif case == "head_dim_12":
+                expected = "flash"  # not a multiple of 8 for cuDNN; flash pads it
+            elif "mask" in case:
+                expected = "cudnn" if profile == "h100" else "efficient"  # flash takes no mask
+            else:
+                expected = "cudnn" if profile == "h100" else "flash"
+            assert backend == expected, (profile, case)
+
+
+def test_grouped_query_sdpa_is_left_alone():
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 16, 32, dtype=torch.bfloat16)
+        kv = torch.empty(2, 2, 16, 32, dtype=torch.bfloat16)
+        assert _cuda_sdpa(get_profile("h100"), q, kv, kv, enable_gqa=True) is NotImplemented
+        assert _cuda_sdpa(get_profile("h100"), q, q, q, enable_gqa=True) is not NotImplemented
 
 
 def test_no_real_memory_for_a_model_of_gigabytes():
@@ -86,10 +205,11 @@ def _llama_partial_rope():  # rotary on half of each head, tied head, biases
 @pytest.mark.parametrize("build", [_llama_partial_rope, _gpt_small, models.conv, models.tied_lm, models.dropout_mlp],
                          ids=["llama-partial-rope-tied", "gpt", "conv", "tied_lm", "dropout_mlp"])
 def test_same_fingerprint_as_a_real_capture(build):
-    """Same model, same shapes: the fake AOTAutograd capture is the graph optimize() captures through
-    Dynamo on real tensors (primals in Dynamo's order), so plan files match. (The tiny LLaMA is
-    checked by test_offline_plan_file_replays_in_optimize, which needs the same fingerprint.)"""
-    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, time_limit_s=2)
+    """Same model, same shapes: the fake AOTAutograd capture (cpu profile: the CPU attention kernel)
+    is the graph optimize() captures through Dynamo on real CPU tensors (primals in Dynamo's order),
+    so plan files match. (The tiny LLaMA is checked by test_offline_plan_file_replays_in_optimize,
+    which needs the same fingerprint.)"""
+    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, device_profile="cpu", time_limit_s=2)
     model, inputs = build()
     real = optsched.optimize(model, None, example_inputs=inputs, device_profile="h100", time_limit_s=2).plan
     assert offline.fingerprint["hash"] == real.fingerprint["hash"]
@@ -125,26 +245,27 @@ def test_hf_gpt2_fingerprint():
     def build():
         return hf_gpt2.build(n_layer=1, n_embd=64, n_head=2, vocab_size=100, n_positions=32), hf_gpt2.make_batch(2, 16, 100)
 
-    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, time_limit_s=2)
+    offline = plan_offline(lambda: build()[0], lambda: build()[1], None, device_profile="cpu", time_limit_s=2)
     model, inputs = build()
     real = optsched.optimize(model, None, example_inputs=inputs, device_profile="h100", time_limit_s=2).plan
     assert offline.fingerprint["hash"] == real.fingerprint["hash"]
 
 
 def test_offline_plan_file_replays_in_optimize(tmp_path):
-    """A plan made offline (offloading off, so it also runs on this CPU) is used by optimize() without
-    solving, and the step runs with the gradients of eager."""
+    """A plan made offline for this CPU (the cpu profile: the CPU attention kernel, offloading off) is
+    used by optimize() without solving, and the step runs with the gradients of eager."""
     path = tmp_path / "plan.json"
 
     def batch():
         return llama.make_batch(ONE_LAYER, 2, 64)
 
-    offline = plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, "85%", offload=False, time_limit_s=1)
+    offline = plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, "85%", device_profile="cpu", offload=False,
+                           time_limit_s=1)
     offline.save(path)
     torch.manual_seed(0)
     model = llama.LLaMA(ONE_LAYER)
     inputs = batch()
-    opt = optsched.optimize(model, "85%", example_inputs=inputs, device_profile="h100", plan=path)
+    opt = optsched.optimize(model, "85%", example_inputs=inputs, device_profile="cpu", plan=path)
     assert any("loaded from" in n for n in opt.plan.stats.notes)
     assert opt.plan.predicted_peak_bytes == offline.predicted_peak_bytes
     loss = opt(*inputs)
@@ -156,6 +277,21 @@ def test_offline_plan_file_replays_in_optimize(tmp_path):
     assert torch.equal(loss, ref)
     for n, p in model.named_parameters():
         assert torch.allclose(grads[n].float(), p.grad.float(), atol=1e-2), n
+
+
+def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
+    """An H100 plan holds the GPU's attention kernel; this CPU captures the CPU one, so optimize()
+    here refuses the file and names that node (on the GPU, the graphs agree)."""
+    path = tmp_path / "h100.json"
+
+    def batch():
+        return llama.make_batch(ONE_LAYER, 2, 64)
+
+    plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, "85%", device_profile="h100", offload=False,
+                 time_limit_s=1).save(path)
+    with pytest.raises(optsched.PlanMismatchError, match="_scaled_dot_product_cudnn_attention"):
+        optsched.optimize(llama.LLaMA(ONE_LAYER), "85%", example_inputs=batch(), device_profile="h100",
+                          offload=False, plan=path)
 
 
 def test_forward_only_when_nothing_requires_grad():
@@ -213,3 +349,35 @@ def test_caller_random_stream_untouched():
     torch.manual_seed(123)
     plan_offline(lambda: models.dropout_mlp()[0], lambda: models.dropout_mlp()[1], None, time_limit_s=2)
     assert torch.equal(torch.rand(3), expected)
+
+
+def _arange_graph(n: int, rounding_mode: str = "floor"):
+    def step(x):
+        return torch.div(x + torch.arange(x.shape[0], device=x.device, dtype=x.dtype), 2, rounding_mode=rounding_mode)
+
+    return make_fx(step)(torch.randn(n))
+
+
+def _on_device(gm, device):
+    """The same graph with every device argument (a torch.device, or a string in a device= keyword) replaced."""
+    gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": device}
+    return gm
+
+
+def test_fingerprint_is_device_neutral():
+    """A graph captured on CPU and the same graph on CUDA (device=cpu vs device=cuda:0 arguments) hash the
+    same; shapes, dtypes and other arguments still count."""
+    cpu = _arange_graph(8)
+    assert any(isinstance(n.kwargs.get("device"), torch.device) for n in cpu.graph.nodes)
+    h = fingerprint(cpu)["hash"]
+    for device in (torch.device("cuda", 0), torch.device("cuda"), torch.device("meta"), "cuda:0", "cpu"):
+        other = fingerprint(_on_device(cpu, device))
+        assert other["hash"] == h, device
+        assert other["nodes"] == fingerprint(cpu)["nodes"]
+    assert fingerprint(_arange_graph(9))["hash"] != h  # a changed shape
+    assert fingerprint(_arange_graph(8, "trunc"))["hash"] != h  # other strings are not devices
+    wider = _on_device(_arange_graph(9), torch.device("cuda", 0))
+    assert fingerprint(wider)["hash"] == fingerprint(_arange_graph(9))["hash"] != h

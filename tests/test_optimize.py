@@ -546,3 +546,28 @@ def test_an_op_reading_an_input_before_it_is_written_is_not_recomputed():
     opt(x).backward()
     assert torch.equal(m.lin.weight.grad, ref.lin.weight.grad)
     assert torch.equal(m.seen, ref.seen)
+
+
+def test_tensor_constants_in_the_traced_code():
+    """torch.tensor(...) inside the function becomes a constant the graph module holds (get_attr)."""
+
+    def f(x, w):
+        c = torch.tensor([0.7, 1.3, 2.0, -1.0])
+        return ((x @ w) * c).tanh().sum()
+
+    x, w = torch.randn(8, 4), torch.randn(4, 4, requires_grad=True)
+    step = optsched.optimize(f, None, time_limit_s=1.0)
+    step(x, w).backward()
+    got, w.grad = w.grad, None
+    f(x, w).backward()
+    assert torch.equal(got, w.grad)
+
+    def update(xs, ends):  # Dynamo's foreach lerp with a weight >= 0.5 makes a tensor constant
+        torch._foreach_lerp_(xs, ends, 0.7)
+
+    xs, ends = [torch.randn(5), torch.randn(7)], [torch.randn(5), torch.randn(7)]
+    want = [t.clone() for t in xs]
+    torch._foreach_lerp_(want, ends, 0.7)
+    with torch.no_grad():
+        optsched.optimize(update, None, time_limit_s=1.0)(xs, ends)
+    assert all(torch.equal(a, b) for a, b in zip(xs, want, strict=True))

@@ -8,6 +8,8 @@ examples computed by hand first.
 
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 from pathlib import Path
@@ -248,6 +250,35 @@ def test_simulate_reuse_in_forward_by_hand():
     sim = simulate(p, default_schedule(p))
     assert sim.timeline == [1100, 1200, 1250]
     assert sim.reused == {}
+
+
+def test_simulate_reuse_all_or_nothing_by_hand():
+    """A foreach op (reuse_all) writes every output into its list's inputs, or none."""
+
+    def build(*, b_read_later: bool) -> Problem:
+        bld = Builder()
+        x = bld.tensor("x", 1000)
+        a, b = bld.op("f0", Phase.FW, [x], [100, 60])
+        outs = bld.op("each", Phase.FW, [a, b], [100, 60])
+        bld.ops[-1] = dataclasses.replace(bld.ops[-1], reuse=((outs[0], a), (outs[1], b)), reuse_all=True)
+        (c,) = bld.op("f2", Phase.FW, [*outs, x] + ([b] if b_read_later else []), [10])
+        return bld.problem({c})
+
+    p = build(b_read_later=False)
+    sim = simulate(p, default_schedule(p))
+    assert sim.timeline == [1160, 1160, 1170]  # both lists taken over: step 1 allocates nothing
+    assert 1 in sim.reused
+    # b is still read after the foreach op: a dies there, but a half in-place op is not one
+    p = build(b_read_later=True)
+    sim = simulate(p, default_schedule(p))
+    assert sim.timeline == [1160, 1320, 1230]
+    assert sim.reused == {}
+    # pairs taken together may not share an input
+    with pytest.raises(ValueError, match="together"):
+        bad = build(b_read_later=False)
+        bad.ops[1] = dataclasses.replace(bad.ops[1], reuse=((bad.ops[1].outputs[0], 1), (bad.ops[1].outputs[1], 1)))
+        bad.tensors[4] = dataclasses.replace(bad.tensors[4], bytes=100)
+        Problem(bad.ops, bad.tensors, bad.outputs)
 
 
 def test_simulate_reuse_in_backward_by_hand():

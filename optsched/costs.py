@@ -4,18 +4,20 @@ time = max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth) + launch overhea
 The GPU profiles hold public spec-sheet numbers (dense, no sparsity); the CPU
 profile is a modest 2-core machine. Planning only needs shapes, so a CPU-only
 machine can plan for any of them.
+
+Importing this module does not import torch: the profiles (`PROFILES`, `DeviceProfile`)
+are plain data that the `optsched` command reads for its `--profile` choices; the cost
+functions import torch when first called.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.fx as fx
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import flop_registry
-
-_HALF = (torch.float16, torch.bfloat16)
+if TYPE_CHECKING:
+    import torch
+    from torch import fx
 
 
 @dataclass
@@ -59,6 +61,8 @@ def get_profile(profile: str | DeviceProfile | None, device: torch.device | None
         return profile
     if profile is None:
         if device is not None and device.type == "cuda":
+            import torch
+
             name = torch.cuda.get_device_name(device).lower()
             profile = next((k for k in ("h200", "h100", "a100") if k in name), "h100")
         else:
@@ -74,11 +78,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _val(a):
+    from torch import fx
+
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
 def node_flops(node: fx.Node) -> int:
     """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for)."""
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     fn = flop_registry.get(packet) if packet is not None else None
@@ -94,6 +103,9 @@ def node_flops(node: fx.Node) -> int:
 
 def node_bytes(node: fx.Node) -> int:
     """Bytes read plus bytes written, at tensor (not storage) granularity."""
+    import torch
+    from torch.utils._pytree import tree_leaves, tree_map
+
     read = sum(_nbytes(v) for v in tree_leaves(tree_map(_val, (node.args, node.kwargs))) if isinstance(v, torch.Tensor))
     written = sum(_nbytes(v) for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
     return read + written
@@ -101,14 +113,19 @@ def node_bytes(node: fx.Node) -> int:
 
 def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     """Roofline estimate for one unfused op."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
     out = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-    half = bool(out) and out[0].dtype in _HALF
+    half = bool(out) and out[0].dtype in (torch.float16, torch.bfloat16)
     flops = node_flops(node)
     rate = profile.half_flops if half else profile.fp32_flops
     return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s
 
 
 def random_like(v, device: torch.device):
+    import torch
+
     if not isinstance(v, torch.Tensor):
         return v
     shape, dtype = tuple(v.shape), v.dtype

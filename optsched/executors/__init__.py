@@ -1,19 +1,45 @@
 """Executors: who runs a fusion group. `eager` fuses nothing; `inductor` compiles each group
-with TorchInductor (C++ on CPU, Triton on CUDA); `nvfuser` builds nvFuser fusions on CUDA."""
+with TorchInductor (C++ on CPU, Triton on CUDA); `nvfuser` builds nvFuser fusions on CUDA.
+
+Importing this package does not import torch: `NAMES` is plain data (the `optsched`
+command's `--executor` choices); the executor classes load on first use.
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
-from .base import Executor
-from .eager import EagerExecutor
-from .inductor import InductorExecutor
+if TYPE_CHECKING:
+    import torch
+
+    from .base import Executor
+    from .eager import EagerExecutor
+    from .inductor import InductorExecutor
 
 NAMES = ("eager", "inductor", "nvfuser")
+
+# public name -> the submodule that defines it (imported on first access, PEP 562)
+_LAZY = {"Executor": "base", "EagerExecutor": "eager", "InductorExecutor": "inductor"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def get_executor(name: str | None, device: torch.device) -> Executor:
     """Resolve `optimize(executor=...)`; None picks nvFuser where it loads on CUDA, else eager."""
+    from .eager import EagerExecutor
+    from .inductor import InductorExecutor
+
     if name is None:
         if device.type == "cuda":
             from .nvfuser import NvFuserExecutor, nvfuser_available

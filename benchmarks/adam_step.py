@@ -11,9 +11,9 @@ of a GPT with about 200 parameter tensors, for-loop (`foreach=False`) and `forea
 * time per step against eager `opt.step()`, timed alternately (`measure_ratio`);
 * peak allocator bytes above the start of a step (parameters, gradients and state held);
 * whether parameters and state after the first steps equal eager's, bitwise, and equal
-  the traced program run op by op (`torch.compile(backend="eager")`): Dynamo traces
-  Adam's capturable branch (float32 tensor bias corrections) and rewrites addcmul_ into
-  mul + fma, so no compiled step is bitwise equal to eager `opt.step()`.
+  the traced program run op by op (`torch.compile(backend="eager")` with addcmul_/addcdiv_
+  kept whole, as optsched puts them back): Dynamo traces Adam's capturable branch (float32
+  tensor bias corrections), so no compiled step is bitwise equal to eager `opt.step()`.
 
 `opt.step` graph-breaks on purpose in its `_use_grad` wrapper; every compiled variant here
 runs the undecorated `Adam.step` under `torch.no_grad()` as one graph.
@@ -124,7 +124,14 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
     row["writes_folded"] = seen["copies_captured"] - seen["copies_lowered"]
     row["lowered_ops"] = dict(seen["lowered_ops"].most_common(12))
 
-    traced_step = torch.compile(step_fn(traced[1]), backend="eager", fullgraph=True)
+    # the reference program: the same Dynamo graph run op by op, with addcmul_/addcdiv_ kept whole
+    # (optsched puts back the mul + fma Dynamo splits them into; optsched/restore_ops.py)
+    traced_compiled = torch.compile(step_fn(traced[1]), backend="eager", fullgraph=True)
+
+    def traced_step():
+        with torch._dynamo.config.patch(enable_dynamo_decompositions=False):
+            traced_compiled()
+
     traced_step()
     eager[1].step()
     variants = {"optsched": (opt_step, ours)}

@@ -294,6 +294,28 @@ def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
                           offload=False, plan=path)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the machine the H100 plan is made for")
+def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
+    """Issue 6's hand-over: plan on a CPU for H100, load the file on the GPU. The GPU's SDPA choice
+    is a prediction (optsched.offline.predict_sdpa_backend); a wrong one fails here by naming the
+    attention node."""
+    path = tmp_path / "h100.json"
+    factory, batch = _gpt_factory(torch.bfloat16)
+    offline = plan_offline(factory, batch, "70%", device_profile="h100", time_limit_s=5)
+    offline.save(path)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = factory()
+    inputs = tuple(x.cuda() for x in batch())
+    opt = optsched.optimize(model, "70%", example_inputs=inputs, device_profile="h100", plan=path)
+    assert any("loaded from" in n for n in opt.plan.stats.notes)
+    assert opt.plan.predicted_peak_bytes == offline.predicted_peak_bytes
+    start = torch.cuda.memory_allocated()  # parameters and inputs: counted in the plan's peak
+    peak = measure_peak(lambda: opt(*inputs).backward()).peak_bytes
+    # the caching allocator rounds blocks up to 512 bytes
+    assert start + peak <= offline.summary()["budget_bytes"] * 1.01
+
+
 def test_forward_only_when_nothing_requires_grad():
     def frozen():
         return llama.LLaMA(TINY).requires_grad_(False)

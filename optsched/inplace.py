@@ -174,13 +174,16 @@ def _single_fold(g: _Graph, c: fx.Node, redirect_readers: bool) -> tuple | None:
     s = g.storage(dst)
     if s is None:
         return None
+    # readers of the copy's result read the new value: after the write in program order, and kept
+    # there by the planner's order tokens
+    after_write = [c, *c.users] if redirect_readers else [c]
     src = _copied_value(v)
     if src is not None:
         # copy(like, src) is src broadcast and cast to like's shape and dtype, which are
         # dst's (and clone(src) is src): copy src into dst at once. src must not overlap dst.
         if s in g.jg.node_storages(src):
             return None
-        if not g.only_earlier_touchers(s, v, [c]):
+        if not g.only_earlier_touchers(s, v, after_write):
             return None
         return c, v, dst, _COPY_, (dst, src), {}
     found = out_overload(target)
@@ -197,7 +200,7 @@ def _single_fold(g: _Graph, c: fx.Node, redirect_readers: bool) -> tuple | None:
             va = _val(a)
             if not pointwise or va is None or not _same_layout(va, dv):
                 return None
-    if not g.only_earlier_touchers(s, v, [c]):
+    if not g.only_earlier_touchers(s, v, after_write):
         return None
     return c, v, dst, overload, v.args, {**v.kwargs, out_name: dst}
 
@@ -263,7 +266,7 @@ def _foreach_fold(g: _Graph, op: fx.Node, redirect_readers: bool) -> tuple | Non
             return None
         (c,) = copies_back
         x = c.args[0]
-        if c.users or x.op != "placeholder":
+        if x.op != "placeholder" or (c.users and (not redirect_readers or any(u.op == "output" for u in c.users))):
             return None
         dx, di = _val(x), _val(item)
         if dx is None or di is None or not _same_layout(dx, di) or not g.fresh(item):
@@ -287,6 +290,7 @@ def _foreach_fold(g: _Graph, op: fx.Node, redirect_readers: bool) -> tuple | Non
     if others & set(storages):
         return None
     allowed = set(copies) | set(items) | set(chain) | {i for f in chain[:-1] for i in _getitems(f)}
+    allowed |= {u for c in copies for u in c.users}  # readers of the copy's result: the new value
     if not all(g.only_earlier_touchers(s, chain[0], allowed) for s in storages):
         return None
     return chain, copies, items, dsts
@@ -348,7 +352,8 @@ def _fold_round(gm: fx.GraphModule, redirect_readers: bool) -> list[fx.Node]:
         graph.erase_node(op)
         done.append(dst)
     for chain, cs, items, dsts in groups:
-        for c in cs:
+        for c, dst in zip(cs, dsts, strict=True):
+            c.replace_all_uses_with(dst)  # only with redirect_readers: readers of the copy's result
             graph.erase_node(c)
         for item, dst in zip(items, dsts, strict=True):
             item.replace_all_uses_with(dst)  # only with redirect_readers: later readers of the new values

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all bench clean lint
 
 setup: $(STAMP)
 
@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m benchmarks.gpt_budget --demo
 
-test: setup
+lint: setup
+	$(BIN)/ruff check optsched solvers tests benchmarks
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 test-all: setup

@@ -152,7 +152,7 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
 
     # peak above what the step starts with (parameters, gradients, state)
     row["eager_peak_bytes"] = measure_peak(eager[1].step).peak_bytes
-    for name, (fn, state) in variants.items():
+    for name, (fn, _state) in variants.items():
         row[f"{name}_peak_bytes"] = measure_peak(fn).peak_bytes
     row["optsched_predicted_peak_bytes"] = plan.predicted_peak_bytes - _held(*ours)
     assert opt_step.plan is plan, "re-planned"

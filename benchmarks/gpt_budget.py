@@ -181,7 +181,8 @@ def _print_table(eager: dict, rows: list[dict], mincut: list[dict]) -> None:
     for r in rows:
         budget = f"{r['budget_bytes'] / MIB:6.2f} MiB ({r['fraction']:.0%})"
         if "infeasible" in r:
-            ours = (f"{'infeasible: lowest ' + format(r['lowest_peak_bytes'] / MIB, '.2f') + ' MiB, bound ' + format(r['lower_bound_bytes'] / MIB, '.2f'):>66}")
+            text = f"infeasible: lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB, bound {r['lower_bound_bytes'] / MIB:.2f}"
+            ours = f"{text:>66}"
         else:
             ours = (f"{r['predicted_peak_bytes'] / MIB:9.2f} {r['measured_peak_bytes'] / MIB:9.2f} "
                     f"{'yes' if r['within_budget'] else 'NO':>4} {r['time_ratio']:5.2f}x {r['max_grad_diff']:9.1e} "

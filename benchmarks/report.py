@@ -44,7 +44,8 @@ def gpt_table(d: dict) -> str:
         lines.append(f"| {budget} | {ours} | {theirs} |")
     if d.get("mincut"):
         lo = min(d["mincut"], key=lambda r: r["measured_peak_bytes"])
-        lines += ["", f"PyTorch's min-cut partitioner (`{c.get('mincut_backend', 'aot_eager_decomp_partition')}`, `activation_memory_budget` "
+        backend = c.get("mincut_backend", "aot_eager_decomp_partition")
+        lines += ["", f"PyTorch's min-cut partitioner (`{backend}`, `activation_memory_budget` "
                       f"swept over {', '.join(str(r['activation_memory_budget']) for r in d['mincut'])}) reaches at "
                       f"best {lo['measured_peak_bytes'] / MIB:.2f} MiB; its fastest setting runs at "
                       f"{min(r['time_ratio'] for r in d['mincut']):.2f}x eager."]
@@ -161,7 +162,7 @@ def offline_table(d: dict) -> str:
                        f" GiB, bound {b['lower_bound_bytes'] / gib:.2f}) | | | | | {b['plan_s']:.1f}")
             lines.append(f"| {head} | {row} | {mem} |")
             head = " | | | "
-    lines += ["", f"Unplanned peaks: " + ", ".join(f"{m['model']} {m['unplanned_peak_bytes'] / gib:.2f} GiB" for m in d["models"])
+    lines += ["", "Unplanned peaks: " + ", ".join(f"{m['model']} {m['unplanned_peak_bytes'] / gib:.2f} GiB" for m in d["models"])
               + ". Planner memory: growth of the planning process's peak RSS (the parameters are fake tensors)."]
     return "\n".join(lines)
 
@@ -186,7 +187,7 @@ def render(readme: str) -> str:
             continue
         table = fn(json.loads(path.read_text()))
         pattern = re.compile(rf"(<!-- bench:{key} -->\n).*?(<!-- /bench:{key} -->)", re.S)
-        readme = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), readme)
+        readme = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), readme)
     return readme
 
 

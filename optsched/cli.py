@@ -142,7 +142,8 @@ examples:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, title="commands")
 
-    p = sub.add_parser("plan", help="plan a model offline (fake tensors, a device profile's roofline); write a plan file", description=PLAN_DESCRIPTION,
+    p = sub.add_parser("plan", help="plan a model offline (fake tensors, a device profile's roofline); write a plan file",
+                       description=PLAN_DESCRIPTION,
                        epilog=PLAN_EPILOG, formatter_class=_Formatter)
     p.add_argument("target", metavar="MODULE:FACTORY", type=factory_target,
                    help="an importable module and a callable in it that builds the nn.Module "
@@ -183,14 +184,16 @@ examples:
                         "instead of one line")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("show", help="a plan file's summary: peak vs budget and unplanned, time, decisions, solver status", description=SHOW_DESCRIPTION,
+    p = sub.add_parser("show", help="a plan file's summary: peak vs budget and unplanned, time, decisions, solver status",
+                       description=SHOW_DESCRIPTION,
                        epilog="example:\n  optsched show plan.json\n\nexit status: 0 shown; 2 the file is "
                               "missing, not JSON, or fails its checksum.",
                        formatter_class=_Formatter)
     p.add_argument("plan", metavar="PLAN.json", help="a plan file (from `optsched plan`, Plan.save or optimize(plan=...))")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("diff", help="what differs between two plan files: settings, graph, figures, decisions", description=DIFF_DESCRIPTION,
+    p = sub.add_parser("diff", help="what differs between two plan files: settings, graph, figures, decisions",
+                       description=DIFF_DESCRIPTION,
                        epilog="example:\n  optsched diff plan_70.json plan_50.json\n\nexit status: 0 compared "
                               "(whether or not they differ); 2 a file is missing, not JSON, or fails its checksum.",
                        formatter_class=_Formatter)

@@ -31,7 +31,8 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

@@ -261,7 +261,7 @@ def _step_profile(problem: Problem, fw_order: list[int], bw_order: list[int], bu
         if sim.peak_bytes <= budget:
             return None
         per_step, j = [], -1
-        for k, (o, is_rc) in enumerate(sim.steps):
+        for k, (_o, is_rc) in enumerate(sim.steps):
             if k < sim.n_forward_steps:
                 per_step.append(sim.timeline[k])
                 continue

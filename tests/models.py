@@ -8,7 +8,7 @@ tests stay fast on a 2-core CPU.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -9,12 +9,13 @@ import torch
 
 from optsched.api import capture_problem
 from optsched.solvers import simulate
-solve_mod = __import__("optsched.solvers", fromlist=["solve"]).solve
 from optsched.solvers.cpsat_bound import solve_bound_and_repair
 from optsched.solvers.heuristics import place_recomputes, recompute_candidates
 from optsched.solvers.problem import default_schedule
 from optsched.solvers.progress import ProgressLine
 from optsched.solvers.synthetic import chain_training_problem
+
+solve_mod = __import__("optsched.solvers", fromlist=["solve"]).solve
 
 solve_module = __import__("optsched.solvers.solve", fromlist=["_"])
 

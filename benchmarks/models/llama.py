@@ -71,7 +71,7 @@ class Config:
 
     def n_params(self) -> int:
         """Parameter count, without building the model."""
-        C, V, I, hs = self.n_embd, self.padded_vocab_size, self.intermediate_size, self.head_size
+        C, V, I, hs = self.n_embd, self.padded_vocab_size, self.intermediate_size, self.head_size  # noqa: E741
         qkv = (self.n_head + 2 * self.n_query_groups) * hs
         attn = C * qkv + hs * self.n_head * C + (qkv + C if self.bias else 0)
         mlp = 3 * C * I + (2 * I + C if self.bias else 0)

@@ -138,7 +138,7 @@ class Plan:
         return {
             "optsched_version": _version(),
             "torch_version": _torch_version(),
-            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "kind": self.kind,
             "fingerprint": self.fingerprint or {"hash": "", "nodes": []},
             "made_for": {

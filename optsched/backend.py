@@ -21,6 +21,7 @@ from .plan_file import PlanMismatchError, cache_dir, load_plan
 from .plan_reuse import plan_from_file
 from .inplace import fold_copy_back
 from .restore_ops import restore_fused_pointwise
+from .scalar_batching import batch_scalar_foreach
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
@@ -48,6 +49,15 @@ def _device_of(example_inputs) -> torch.device | None:
         if isinstance(x, torch.Tensor):
             return x.device
     return None
+
+
+def prepare_inference(gm: fx.GraphModule) -> None:
+    """The forward-only (optimizer step) graph as eager would run it, before planning."""
+    restore_fused_pointwise(gm)  # Dynamo's mul + fma and foreach lerp back to eager's ops
+    # input mutations: compute new values into the inputs instead of copying them back; readers of
+    # a new value read the input after its write (order_writes keeps them after it)
+    fold_copy_back(gm, redirect_readers=True)
+    batch_scalar_foreach(gm)  # per-parameter scalars (step counts, bias corrections) as one vector
 
 
 class PlanningBackend:
@@ -233,10 +243,7 @@ class PlanningBackend:
                 raise OffloadDeviceError(f"device profile {self.profile.name!r}: {e}") from None
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
-        restore_fused_pointwise(gm)  # Dynamo's mul + fma back to eager's addcmul/addcdiv
-        # input mutations: compute new values into the inputs instead of copying them back; readers of
-        # a new value read the input after its write (order_writes keeps them after it)
-        fold_copy_back(gm, redirect_readers=True)
+        prepare_inference(gm)
         jg = build_joint_graph(gm, None)
         plan, items = self._planned(gm, jg, "forward")
         return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

@@ -35,11 +35,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .backend import DEFAULT_HOST_SHARE, PlanningBackend, physical_memory_bytes
+from .backend import DEFAULT_HOST_SHARE, PlanningBackend, physical_memory_bytes, prepare_inference
 from .budget import parse_budget
 from .costs import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from .executors import NAMES as EXECUTORS
-from .inplace import fold_copy_back
 from .joint_graph import build_joint_graph
 from .plan import Plan
 
@@ -337,7 +336,7 @@ class OfflineBackend(PlanningBackend):
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         self._captured()
-        fold_copy_back(gm)
+        prepare_inference(gm)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
         self._planned(gm, jg, "forward")
         self._done()

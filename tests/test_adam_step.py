@@ -30,6 +30,7 @@ import optsched
 from optsched.backend import PlanningBackend
 from optsched.inplace import fold_copy_back
 from optsched.restore_ops import restore_fused_pointwise
+from optsched.scalar_batching import batch_scalar_foreach
 from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 
@@ -392,6 +393,52 @@ def test_chain_whose_intermediate_is_read_elsewhere_is_not_folded():
     after = copy.deepcopy(before)
     fold_copy_back(after, redirect_readers=True)
     assert_same_program(before, after)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-parameter scalars as one vector (optsched.scalar_batching)
+
+
+def _scalar_update(xs, steps):
+    torch._foreach_add_(steps, 1)
+    bc = torch._foreach_pow(0.9, steps)  # 0-dim tensors, one per parameter
+    torch._foreach_sub_(bc, 1)
+    torch._foreach_neg_(bc)
+    torch._foreach_sqrt_(bc)
+    torch._foreach_div_(xs, bc)  # each tensor by its own scalar
+
+
+def test_foreach_ops_over_scalars_run_as_one_vector_op():
+    g = torch.Generator().manual_seed(0)
+    n = 20
+    args = [[torch.randn(3, 4, generator=g) for _ in range(n)], [torch.tensor(float(i)) for i in range(n)]]
+    gm = capture(_scalar_update, *args)
+    fold_copy_back(gm, redirect_readers=True)
+    assert batch_scalar_foreach(gm) == 4  # pow, sub, neg, sqrt: on the stacked steps
+    ops = [str(t) for t in targets(gm)]
+    assert ops.count("aten.stack.default") == 1 and ops.count("aten.unbind.int") >= 1
+    # left as foreach: the step write and the division of the big tensors (both folded in place)
+    assert [o for o in ops if o.startswith("aten._foreach")] == ["aten._foreach_add_.Scalar", "aten._foreach_div_.List"]
+    want = _run_eager(_scalar_update, args)
+
+    def prepare(gm):
+        fold_copy_back(gm, redirect_readers=True)
+        batch_scalar_foreach(gm)
+
+    got = _run_graph(_scalar_update, args, prepare)
+    for x, y in zip(got, want, strict=True):  # a vectorized kernel may round pow differently
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+
+
+def test_scalar_ops_sharing_a_tensor_operand_are_left_alone():
+    def f(xs, scale):
+        ys = torch._foreach_mul([x.sum() for x in xs], scale)  # a tensor shared by every element
+        return torch.stack(ys).sum()
+
+    gm = capture(f, [torch.randn(3) for _ in range(4)], torch.tensor(2.0))
+    n_before = len(gm.graph.nodes)
+    batch_scalar_foreach(gm)
+    assert len(gm.graph.nodes) == n_before
 
 
 # ---------------------------------------------------------------------------------------------

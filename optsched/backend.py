@@ -21,7 +21,7 @@ from .plan_file import PlanMismatchError, cache_dir, load_plan
 from .plan_reuse import plan_from_file
 from .inplace import fold_copy_back
 from .restore_ops import restore_fused_pointwise
-from .scalar_batching import batch_scalar_foreach
+from .scalar_batching import batch_scalar_foreach, batch_scalar_ops
 from .joint_graph import build_joint_graph
 from .lowering import boxed, lower_inference, lower_training
 from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
@@ -57,7 +57,9 @@ def prepare_inference(gm: fx.GraphModule) -> None:
     # input mutations: compute new values into the inputs instead of copying them back; readers of
     # a new value read the input after its write (order_writes keeps them after it)
     fold_copy_back(gm, redirect_readers=True)
-    batch_scalar_foreach(gm)  # per-parameter scalars (step counts, bias corrections) as one vector
+    # per-parameter scalars (step counts, bias corrections) as vectors: foreach ops, then for-loops
+    batch_scalar_foreach(gm)
+    batch_scalar_ops(gm)
 
 
 class PlanningBackend:

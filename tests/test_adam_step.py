@@ -30,7 +30,7 @@ import optsched
 from optsched.backend import PlanningBackend
 from optsched.inplace import fold_copy_back
 from optsched.restore_ops import restore_fused_pointwise
-from optsched.scalar_batching import batch_scalar_foreach
+from optsched.scalar_batching import batch_scalar_foreach, batch_scalar_ops
 from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 
@@ -428,6 +428,44 @@ def test_foreach_ops_over_scalars_run_as_one_vector_op():
     got = _run_graph(_scalar_update, args, prepare)
     for x, y in zip(got, want, strict=True):  # a vectorized kernel may round pow differently
         torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+
+
+def _scalar_loop(xs, steps):
+    for x, step in zip(xs, steps):
+        step.add_(1)
+        bias_correction = 1 - 0.9**step  # 0-dim tensor ops, one chain per parameter
+        x.div_(bias_correction.sqrt())
+
+
+def test_same_scalar_op_of_every_parameter_runs_as_one_op():
+    g = torch.Generator().manual_seed(0)
+    n = 12
+    args = [[torch.randn(3, 4, generator=g) for _ in range(n)], [torch.tensor(float(i)) for i in range(n)]]
+
+    def prepare(gm):
+        fold_copy_back(gm, redirect_readers=True)
+        assert batch_scalar_ops(gm) == 3 * n  # pow, rsub, sqrt of every chain
+        ops = [str(t) for t in targets(gm)]
+        assert ops.count("aten.pow.Scalar") == 1 and ops.count("aten.sqrt.default") == 1
+        assert ops.count("aten.div.out") == n  # the per-parameter writes stay
+
+    got, want = _run_graph(_scalar_loop, args, prepare), _run_eager(_scalar_loop, args)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+
+
+def test_scalar_ops_of_dependent_chains_are_not_stacked():
+    def f(x, s):
+        a = (s * 2).exp()
+        b = (a * 2).exp()  # the same op again, but on the first one's result: a deeper level
+        c = (b * 2).exp()
+        d = (c * 2).exp()
+        x.mul_(d)
+
+    args = [torch.randn(4), torch.tensor(0.1)]
+    gm = capture(f, *args)
+    assert batch_scalar_ops(gm) == 0
+    assert_same_program(capture(f, *args), gm)
 
 
 def test_scalar_ops_sharing_a_tensor_operand_are_left_alone():

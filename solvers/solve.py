@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 from .cpsat_order import solve_order
 from .cpsat_remat import min_peak_remat, solve_remat
-from .heuristics import greedy_forward_order, greedy_recompute, lower_bound_peak, place_recomputes, prune_recomputes
+from .heuristics import (
+    greedy_forward_order,
+    greedy_recompute,
+    lower_bound_peak,
+    place_recomputes,
+    prune_recomputes,
+    recompute_candidates,
+)
 from .problem import Problem, Schedule, SolveStats, default_schedule
 from .cpsat_bound import solve_bound_and_repair
 from .offload import mix_offload_and_recompute
@@ -316,6 +323,14 @@ def _solve_training_scalable(
     )
     best = _Candidate(sched, sim, stats) if _fits(sim, budget) else None
     lowest = _Candidate(sched, sim, stats)
+    if best is None:
+        # the repair ran out of time or budget: recomputing every candidate is a cheap plan whose peak
+        # is often lower, so the lowest peak reported (and the start of reordering) is never worse
+        every = place_recomputes(problem, fw, bw, recompute_candidates(problem))
+        esim = simulate(problem, every)
+        cand = _Candidate(every, esim, _heuristic_stats(problem, esim, "recompute every candidate, program order"))
+        best, lowest = _keep(best, lowest, cand, budget)
+        stats = best.stats if best is not None else stats
     left = deadline - time.perf_counter()
     if left > 0.5:
         # reordering keeps the recompute set (so the time): it only lowers the peak, or rescues

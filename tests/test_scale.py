@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optsched.api import capture_problem
-from optsched.solvers import simulate
+from optsched.solvers import BudgetInfeasibleError, simulate
 from optsched.solvers.cpsat_bound import solve_bound_and_repair
 from optsched.solvers.heuristics import place_recomputes, recompute_candidates
 from optsched.solvers.problem import default_schedule
@@ -84,6 +84,18 @@ def test_scalable_path_on_a_long_chain_fits_and_reports_a_small_gap():
     assert sol.sim.peak_bytes <= budget
     assert 0.0 <= sol.stats.gap <= 0.02
     assert sol.stats.bound_s <= sol.sim.time_s
+
+
+def test_scalable_path_reports_a_lowest_peak_no_worse_than_recomputing_everything():
+    """Under a budget nothing meets, the reported lowest peak is a real plan's, and no worse than the
+    cheap plan that recomputes every candidate (a short search once reported a worse one)."""
+    p = chain_training_problem(120, seed=3)
+    every = simulate(p, place_recomputes(p, [o.id for o in p.fw_ops], [o.id for o in p.bw_ops], recompute_candidates(p)))
+    with pytest.raises(BudgetInfeasibleError) as info:
+        solve_mod(p, 1, time_limit_s=2)
+    err = info.value
+    assert err.lowest_peak_bytes <= every.peak_bytes
+    assert simulate(p, err.lowest_schedule).peak_bytes == err.lowest_peak_bytes
 
 
 def test_progress_line_reports_to_stderr(capsys):

@@ -205,7 +205,7 @@ def _single_fold(g: _Graph, c: fx.Node, redirect_readers: bool) -> tuple | None:
     return c, v, dst, overload, v.args, {**v.kwargs, out_name: dst}
 
 
-def _getitems(op: fx.Node) -> list[fx.Node] | None:
+def output_items(op: fx.Node) -> list[fx.Node] | None:
     """The getitem of each output of a foreach op, in order, when it has exactly one per output and no other user."""
     vals = op.meta.get("val")
     if not isinstance(vals, (list, tuple)) or not vals:
@@ -234,7 +234,7 @@ def _foreach_chain(g: _Graph, op: fx.Node, dsts: list[fx.Node]) -> list[fx.Node]
         (prev,) = producers
         if inplace_foreach(prev.target) is None or not prev.args or not isinstance(prev.args[0], (list, tuple)):
             return None
-        if _getitems(prev) != first:
+        if output_items(prev) != first:
             return None
         leaves = tree_leaves((cur.args, cur.kwargs))
         for item, dst in zip(first, dsts, strict=True):
@@ -255,7 +255,7 @@ def _foreach_fold(g: _Graph, op: fx.Node, redirect_readers: bool) -> tuple | Non
     read the written input instead."""
     if inplace_foreach(op.target) is None or not op.args or not isinstance(op.args[0], (list, tuple)):
         return None
-    items = _getitems(op)
+    items = output_items(op)
     if items is None or len(items) != len(op.args[0]):
         return None
     copies, dsts, storages = [], [], []
@@ -289,7 +289,7 @@ def _foreach_fold(g: _Graph, op: fx.Node, redirect_readers: bool) -> tuple | Non
                 others.update(g.jg.node_storages(a))
     if others & set(storages):
         return None
-    allowed = set(copies) | set(items) | set(chain) | {i for f in chain[:-1] for i in _getitems(f)}
+    allowed = set(copies) | set(items) | set(chain) | {i for f in chain[:-1] for i in output_items(f)}
     allowed |= {u for c in copies for u in c.users}  # readers of the copy's result: the new value
     if not all(g.only_earlier_touchers(s, chain[0], allowed) for s in storages):
         return None
@@ -363,7 +363,7 @@ def _fold_round(gm: fx.GraphModule, redirect_readers: bool) -> list[fx.Node]:
             new.meta = {k: v for k, v in f.meta.items() if k not in ("val", "tensor_meta")}
             new.meta["val"] = None  # in-place foreach ops return nothing
         for f in reversed(chain):
-            for item in _getitems(f):
+            for item in output_items(f):
                 graph.erase_node(item)
             graph.erase_node(f)
         done += dsts

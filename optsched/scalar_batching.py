@@ -23,6 +23,8 @@ import operator
 import torch
 from torch import fx
 
+from .inplace import output_items
+
 __all__ = ["batch_scalar_foreach", "batch_scalar_ops"]
 
 _STACK = torch.ops.aten.stack.default
@@ -40,19 +42,7 @@ def _scalar_list(items, dtype=None) -> bool:
     return len(dtypes) == 1 and len({v.device for v in vals}) == 1
 
 
-def _items(op: fx.Node) -> list[fx.Node] | None:
-    vals = op.meta.get("val")
-    if not isinstance(vals, (list, tuple)) or not vals:
-        return None
-    items: dict[int, fx.Node] = {}
-    for u in op.users:
-        if u.target is not operator.getitem or not isinstance(u.args[1], int):
-            return None
-        items[u.args[1]] = u
-    return [items.get(i) for i in range(len(vals))]
-
-
-def _elementwise(op: fx.Node, args: list, fake_args: list):
+def _elementwise(op: fx.Node, fake_args: list):
     """The ATen overload computing `op` elementwise on vectors (same name without `_foreach_`), and
     its output value, or None."""
     name = op.target.overloadpacket.__name__.removeprefix("_foreach_")
@@ -82,6 +72,56 @@ def _fake_mode(gm: fx.GraphModule):
     return None
 
 
+class _Vectors:
+    """The vectors made so far in one graph: a list of scalar nodes already stacked, or unbound from
+    a vector, is read from that vector instead of being stacked again."""
+
+    def __init__(self, graph: fx.Graph, mode):
+        self.graph, self.mode = graph, mode
+        self.vector_of: dict[tuple[fx.Node, ...], fx.Node] = {}
+
+    def of(self, column: tuple[fx.Node, ...]) -> fx.Node:
+        vec = self.vector_of.get(column)
+        if vec is None:
+            vec = self.graph.call_function(_STACK, (list(column),))
+            with self.mode:
+                vec.meta["val"] = torch.stack([x.meta["val"] for x in column])
+            self.vector_of[column] = vec
+        return vec
+
+    def replace(self, nodes: list[fx.Node], target, args: tuple, kwargs: dict, val: torch.Tensor) -> None:
+        """`target(*args, **kwargs)` (of value `val`) computes `nodes` as one vector: each node's
+        readers read its element (a view, through `unbind`), and the nodes go."""
+        graph = self.graph
+        vec = graph.call_function(target, args, kwargs)
+        vec.meta["val"] = val
+        unbind = graph.call_function(_UNBIND, (vec,))
+        with self.mode:
+            unbind.meta["val"] = torch.unbind(val)
+        views = []
+        for i, node in enumerate(nodes):
+            view = graph.call_function(operator.getitem, (unbind, i))
+            view.meta["val"] = unbind.meta["val"][i]
+            node.replace_all_uses_with(view)
+            views.append(view)
+        self.vector_of[tuple(views)] = vec
+        for node in nodes:
+            graph.erase_node(node)
+
+    def drop_unused_stacks(self) -> None:
+        """Stacks made for an op that was then left as it is."""
+        for vec in self.vector_of.values():
+            if vec.target is _STACK and not vec.users:
+                self.graph.erase_node(vec)
+
+
+def _vector_args(vectors: _Vectors, args, columns: list[tuple[fx.Node, ...] | None]) -> tuple[list, list]:
+    """`args` with each tensor operand replaced by the vector of its column (None: a constant), and
+    their values."""
+    new_args = [a if col is None else vectors.of(col) for a, col in zip(args, columns, strict=True)]
+    return new_args, [a.meta["val"] if isinstance(a, fx.Node) else a for a in new_args]
+
+
 def batch_scalar_foreach(gm: fx.GraphModule) -> int:
     """Replace functional foreach ops whose lists and outputs are all 0-dim tensors by one elementwise
     op on stacked vectors; recompile `gm`. Returns how many foreach ops were replaced."""
@@ -89,65 +129,37 @@ def batch_scalar_foreach(gm: fx.GraphModule) -> int:
     if mode is None:
         return 0
     graph = gm.graph
-    vector_of: dict[tuple[fx.Node, ...], fx.Node] = {}  # a list of scalars -> the vector holding them
+    vectors = _Vectors(graph, mode)
     n = 0
     for op in list(graph.nodes):
         if op.op != "call_function" or not isinstance(op.target, torch._ops.OpOverload):
             continue
         if not op.target.overloadpacket.__name__.startswith("_foreach_") or op.target._schema.is_mutable:
             continue
-        items = _items(op)
-        if items is None or any(i is None for i in items) or not _scalar_list(items):
+        items = output_items(op)
+        if items is None or not _scalar_list(items):
             continue
         lists = [a for a in op.args if isinstance(a, (list, tuple))]
         if not lists or not all(_scalar_list(a, items[0].meta["val"].dtype) and len(a) == len(items) for a in lists):
             continue
         if any(isinstance(a, fx.Node) for a in op.args if not isinstance(a, (list, tuple))):
             continue  # a tensor operand shared by every element: left as it is
-        new_args, fake_args = [], []
         with graph.inserting_before(op):
-            for a in op.args:
-                if isinstance(a, (list, tuple)):
-                    vec = vector_of.get(tuple(a))
-                    if vec is None:
-                        vec = graph.call_function(_STACK, (list(a),))
-                        with mode:
-                            vec.meta["val"] = torch.stack([x.meta["val"] for x in a])
-                        vector_of[tuple(a)] = vec
-                    new_args.append(vec)
-                    fake_args.append(vec.meta["val"])
-                else:
-                    new_args.append(a)
-                    fake_args.append(a)
+            columns = [tuple(a) if isinstance(a, (list, tuple)) else None for a in op.args]
+            new_args, fake_args = _vector_args(vectors, op.args, columns)
             with mode:
-                found = _elementwise(op, new_args, fake_args)
+                found = _elementwise(op, fake_args)
             if found is None:
                 continue
             overload, val = found
-            vec = graph.call_function(overload, tuple(new_args), dict(op.kwargs))
-            vec.meta["val"] = val
-            unbind = graph.call_function(_UNBIND, (vec,))
-            with mode:
-                unbind.meta["val"] = torch.unbind(val)
-            views = []
-            for i, item in enumerate(items):
-                view = graph.call_function(operator.getitem, (unbind, i))
-                view.meta["val"] = unbind.meta["val"][i]
-                item.replace_all_uses_with(view)
-                views.append(view)
-        vector_of[tuple(views)] = vec
-        for item in items:
-            graph.erase_node(item)
+            vectors.replace(items, overload, tuple(new_args), dict(op.kwargs), val)
         graph.erase_node(op)
         n += 1
-    for vec in vector_of.values():  # stacks made for an op that was then left as it is
-        if vec.target is _STACK and not vec.users:
-            graph.erase_node(vec)
+    vectors.drop_unused_stacks()
     if n:
         graph.lint()
         gm.recompile()
     return n
-
 
 MIN_GROUP = 4  # fewer same ops than this are not worth a stack and an unbind
 
@@ -202,7 +214,7 @@ def batch_scalar_ops(gm: fx.GraphModule) -> int:
         sig = _signature(n)
         if sig is not None:
             groups.setdefault((level[n], sig), []).append(n)
-    vector_of: dict[tuple[fx.Node, ...], fx.Node] = {}
+    vectors = _Vectors(graph, mode)
     (output,) = graph.find_nodes(op="output")
     replaced = 0
     for (_level, _sig), members in sorted(groups.items(), key=lambda kv: kv[0][0]):
@@ -212,37 +224,12 @@ def batch_scalar_ops(gm: fx.GraphModule) -> int:
         # every chain's inputs come before the stacked op and every chain's readers after it: placed
         # at the end, then the graph is sorted (`_topological_sort`)
         with graph.inserting_before(output):
-            new_args, fake_args = [], []
-            for j, a in enumerate(first.args):
-                if not isinstance(a, fx.Node):
-                    new_args.append(a)
-                    fake_args.append(a)
-                    continue
-                column = tuple(m.args[j] for m in members)
-                vec = vector_of.get(column)
-                if vec is None:
-                    vec = graph.call_function(_STACK, (list(column),))
-                    with mode:
-                        vec.meta["val"] = torch.stack([x.meta["val"] for x in column])
-                    vector_of[column] = vec
-                new_args.append(vec)
-                fake_args.append(vec.meta["val"])
+            columns = [tuple(m.args[j] for m in members) if isinstance(a, fx.Node) else None
+                       for j, a in enumerate(first.args)]
+            new_args, fake_args = _vector_args(vectors, first.args, columns)
             with mode:
                 val = first.target(*fake_args)
-            vec = graph.call_function(first.target, tuple(new_args))
-            vec.meta["val"] = val
-            unbind = graph.call_function(_UNBIND, (vec,))
-            with mode:
-                unbind.meta["val"] = torch.unbind(val)
-            views = []
-            for i, m in enumerate(members):
-                view = graph.call_function(operator.getitem, (unbind, i))
-                view.meta["val"] = unbind.meta["val"][i]
-                m.replace_all_uses_with(view)
-                views.append(view)
-        vector_of[tuple(views)] = vec
-        for m in members:
-            graph.erase_node(m)
+            vectors.replace(members, first.target, tuple(new_args), {}, val)
         replaced += len(members)
     if replaced:
         _topological_sort(graph)

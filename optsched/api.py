@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from .backend import PlanningBackend
-from .budget import parse_budget
-from .executors import NAMES as EXECUTORS
+from .budget import parse_budget, parse_planning_options
 from .offload_runtime import OffloadDeviceError
 from .costs import DeviceProfile
 from .plan import Plan
@@ -109,19 +108,11 @@ def optimize(
     on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
     (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
     """
-    budget = parse_budget(mem_budget)
-    host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
+    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):
         raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
         raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
-    if executor is not None and (not isinstance(executor, str) or executor.lower() not in EXECUTORS):
-        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
-    positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
-    if time_limit_s is not None and not positive_number:
-        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
 

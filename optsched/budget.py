@@ -1,4 +1,5 @@
-"""Parse memory budgets: bytes, sizes with units, or a share of the unplanned peak."""
+"""Parse memory budgets (bytes, sizes with units, or a share of the unplanned peak) and the planning
+options `optimize` and `plan_offline` share."""
 
 from __future__ import annotations
 
@@ -70,3 +71,22 @@ def parse_budget(spec: object, name: str = "mem_budget", of: str = "the unplanne
                 return Budget(spec, nbytes=nbytes)
             raise ValueError(f"{name}={spec!r}: unknown unit {m.group(2)!r}; use {forms}")
     raise ValueError(f"{name}={spec!r} is not a budget; use {forms}")
+
+
+def parse_planning_options(
+    mem_budget: object, host_budget: object, offload: object, executor: object, time_limit_s: object
+) -> tuple[Budget, Budget]:
+    """Check the options `optimize` and `plan_offline` share, with the same messages; returns the
+    device budget and the host budget."""
+    from .executors import NAMES as executors  # torch-free
+
+    budget = parse_budget(mem_budget)
+    host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
+    if offload is not None and not isinstance(offload, bool):
+        raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
+    if executor is not None and (not isinstance(executor, str) or executor.lower() not in executors):
+        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(executors)}")
+    positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
+    if time_limit_s is not None and not positive_number:
+        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    return budget, host

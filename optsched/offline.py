@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from .backend import DEFAULT_HOST_SHARE, PlanningBackend, physical_memory_bytes, prepare_inference
-from .budget import parse_budget
+from .budget import parse_planning_options
 from .costs import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from .executors import NAMES as EXECUTORS
 from .joint_graph import build_joint_graph
@@ -568,15 +568,7 @@ def plan_offline(
     Returns the Plan (`plan.fingerprint` set, `plan.save(path)` writes a plan file). Raises
     BudgetInfeasibleError when no plan meets the budget.
     """
-    budget = parse_budget(mem_budget)
-    host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
-    if executor is not None and (not isinstance(executor, str) or executor.lower() not in EXECUTORS):
-        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
-    positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
-    if time_limit_s is not None and not positive_number:
-        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if not callable(model_factory) or not callable(inputs_factory):
         raise TypeError("plan_offline(model_factory, inputs_factory, ...) takes two callables")
     plans: list[Plan] = []

@@ -84,7 +84,7 @@ def run_model(spec: dict, budgets: list[int], time_limit_s: float | None, plans_
         "graph_nodes": s["graph_nodes"], "n_ops": s["n_ops"], "n_forward_ops": s["n_forward_ops"],
         "unplanned_peak_bytes": s["unplanned_peak_bytes"], "unplanned_time_s": s["unplanned_time_s"],
         "lower_bound_bytes": s["lower_bound_bytes"],
-        # the attention kernels captured: the ones predicted for the H100 (optsched.offline.predict_sdpa_backend)
+        # the attention kernels captured: the ones predicted for the H100 (optsched.sdpa_prediction.predict_sdpa_backend)
         "attention_ops": sorted({sig[1] for sig in unplanned.fingerprint["nodes"] if "scaled_dot_product" in sig[1]}),
         "budgets": [],
     }

@@ -19,6 +19,7 @@ from .costs import DeviceProfile, NodeCosts, get_profile
 from .fingerprint import fingerprint
 from .plan_file import PlanMismatchError, cache_dir, load_plan
 from .plan_reuse import plan_from_file
+from .foreach_split import split_foreach as split_foreach_ops
 from .inplace import fold_copy_back
 from .restore_ops import restore_fused_pointwise
 from .scalar_batching import batch_scalar_foreach, batch_scalar_ops
@@ -28,7 +29,7 @@ from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from .plan import Plan
 from .problem_builder import Built, build_problem, reuse_candidates
 from .executors import get_executor
-from .fusion import Group, build_group, compile_groups, find_chains, horizontal_candidates, roofline_time
+from .fusion import Group, build_group, compile_groups, find_groups, horizontal_candidates, roofline_time
 from .profiling import profile_nodes
 from .solvers import BudgetInfeasibleError, simulate, solve
 from .solvers.fusion import fuse_ops
@@ -51,12 +52,16 @@ def _device_of(example_inputs) -> torch.device | None:
     return None
 
 
-def prepare_inference(gm: fx.GraphModule) -> None:
-    """The forward-only (optimizer step) graph as eager would run it, before planning."""
+def prepare_inference(gm: fx.GraphModule, split_foreach: bool = False) -> None:
+    """The forward-only (optimizer step) graph as eager would run it, before planning.
+    `split_foreach`: per-tensor ops instead of foreach ops, for an executor that fuses them
+    (with the writes into parameters and state) into one kernel per tensor."""
     restore_fused_pointwise(gm)  # Dynamo's mul + fma and foreach lerp back to eager's ops
     # input mutations: compute new values into the inputs instead of copying them back; readers of
     # a new value read the input after its write (order_writes keeps them after it)
     fold_copy_back(gm, redirect_readers=True)
+    if split_foreach:
+        split_foreach_ops(gm)
     # per-parameter scalars (step counts, bias corrections) as vectors: foreach ops, then for-loops
     batch_scalar_foreach(gm)
     batch_scalar_ops(gm)
@@ -119,12 +124,13 @@ class PlanningBackend:
     def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
         return profile_nodes(gm, self.device, reuse_candidates(jg)) if self.measure else None
 
-    def _fuse(self, jg, built: Built, groups_of_ops: list[list[int]]) -> tuple[Problem, list]:
-        """The problem the solver sees (each group merged into one op) and, per op, its node or group."""
+    def _fuse(self, jg, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None) -> tuple[Problem, list]:
+        """The problem the solver sees (each group merged into one op) and, per op, its node or group.
+        `cache`: kernels and their timings from earlier calls for this graph."""
         if not groups_of_ops:
             return built.problem, list(built.nodes)
         groups = [build_group(jg, built.problem, c, built.nodes) for c in groups_of_ops]
-        compile_groups(groups, self.executor, self.device, self.measure)
+        compile_groups(groups, self.executor, self.device, self.measure, cache)
         times = [g.time_s if self.measure else roofline_time(g, self.profile) for g in groups]
         fused = fuse_ops(built.problem, groups_of_ops, times)
         by_first = {c[0]: g for c, g in zip(groups_of_ops, groups)}
@@ -141,12 +147,13 @@ class PlanningBackend:
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
         fusible = [self.executor.can_fuse(n) for n in built.nodes]
-        chains = find_chains(built.problem, fusible)
-        problem, items = self._fuse(jg, built, chains)
+        chains = find_groups(built.problem, fusible)
+        compiled: dict = {}
+        problem, items = self._fuse(jg, built, chains, compiled)
         plan = self._plan(problem, graph_nodes, items)
         taken = {o for c in chains for o in c}
         for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
-            trial_problem, trial_items = self._fuse(jg, built, chains + [cand])
+            trial_problem, trial_items = self._fuse(jg, built, chains + [cand], compiled)
             label = f"horizontal group of {len(cand)} {built.nodes[cand[0]].target}"
             try:
                 trial = self._plan(trial_problem, graph_nodes, trial_items, plan.budget_bytes)
@@ -245,7 +252,7 @@ class PlanningBackend:
                 raise OffloadDeviceError(f"device profile {self.profile.name!r}: {e}") from None
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
-        prepare_inference(gm)
+        prepare_inference(gm, split_foreach=self.executor.fuses_writes)
         jg = build_joint_graph(gm, None)
         plan, items = self._planned(gm, jg, "forward")
         return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))

@@ -62,3 +62,14 @@ def fingerprint(gm: fx.GraphModule, extra: dict | None = None) -> dict:
         nodes.append([node.name, _target(node), shape, dtype])
     body = json.dumps({"graph": full, "extra": extra or {}}, sort_keys=True)
     return {"hash": hashlib.sha256(body.encode()).hexdigest(), "nodes": nodes}
+
+
+def structure_hash(gm: fx.GraphModule) -> str:
+    """sha256 of every node's op, target, arguments and dtypes, without shapes and strides: graphs
+    that differ only in their tensors' sizes (a shape-generic kernel's reuse) hash the same."""
+    index: dict[fx.Node, int] = {}
+    full = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        full.append([node.op, _target(node), _arg(node.args, index), _arg(node.kwargs, index), _meta(node)[2]])
+    return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()

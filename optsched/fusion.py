@@ -1,8 +1,8 @@
 """Fusion groups on the captured graph: which ops form a kernel, as what subgraph, at what cost.
 
-Groups are chains of ops the executor can fuse, in one phase, where each link's value is
-read by the next member only (so it never needs to exist in memory, and the chain is
-convex). A value the backward reads, or the step returns, ends a chain. Each group
+Groups are connected sets of ops the executor can fuse, in one phase, joined by values
+that only members read (so they never need to exist in memory), and convex. A value the
+backward reads, or the step returns, ends a group. Each group
 becomes a small fx.GraphModule (placeholders: the values it reads from outside; output:
 the values it materializes) that the executor compiles once per plan.
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import networkx as nx
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -34,6 +35,7 @@ class Group:
     inputs: list[fx.Node]  # values read from outside, in placeholder order
     outputs: list[fx.Node]  # values it materializes (storage holders), in output order
     module: fx.GraphModule
+    writes: dict[fx.Node, fx.Node] = field(default_factory=dict)  # member writing into an input -> that input
     kernel: Callable[..., tuple] | None = None
     time_s: float = 0.0
     workspace_bytes: int = 0
@@ -68,6 +70,42 @@ def find_chains(problem: Problem, fusible: list[bool]) -> list[list[int]]:
             chain_of[op.id] = joined
             chains[joined].append(op.id)
     return [c for c in chains if len(c) > 1]
+
+
+def find_groups(problem: Problem, fusible: list[bool]) -> list[list[int]]:
+    """Vertical fusion: connected sets of at least two fusible ops of one phase, joined by values
+    only fusible ops of that phase read (so none of those values needs memory), order tokens of
+    writes among them. A value read by one op joins it to its producer; a value read by several
+    joins them only when they already belong together (a diamond), never fanning out into
+    independent groups (that is horizontal fusion, which the planner tries separately). A set
+    that is not convex (a path leaves it and comes back) falls back to its chains."""
+    readers = problem.consumers()
+    group = nx.utils.UnionFind(op.id for op in problem.ops if fusible[op.id])
+    fanned: list[tuple[int, list[int]]] = []
+    for t in problem.tensors:
+        p, rs = t.producer, readers[t.id]
+        if p is None or not fusible[p] or t.id in problem.outputs or not rs:
+            continue
+        if not all(fusible[r] and problem.ops[r].phase is problem.ops[p].phase for r in rs):
+            continue
+        if len(set(rs)) == 1:
+            group.union(p, rs[0])
+        else:
+            fanned.append((p, rs))
+    for p, rs in sorted(fanned, reverse=True):  # later producers first: their diamonds close first
+        if len({group[r] for r in rs}) == 1:
+            group.union(p, rs[0])
+    groups: list[list[int]] = []
+    for component in group.to_sets():
+        members = sorted(component)
+        if len(members) < 2:
+            continue
+        try:
+            check_group(problem, members)
+            groups.append(members)
+        except ValueError:
+            groups += find_chains(problem, [f and i in component for i, f in enumerate(fusible)])
+    return sorted(groups)
 
 
 def _storage_holder(jg: JointGraph, s: int) -> fx.Node:
@@ -120,7 +158,9 @@ def build_group(jg: JointGraph, problem: Problem, members: list[int], nodes: lis
             head.prepend(ph)
         head = ph
     graph.lint()
-    return Group(compute, inputs, outputs, fx.GraphModule(torch.nn.Module(), graph))
+    # an out= member returns its destination, so whoever reads the member reads that input (updated)
+    writes = {n: n.kwargs["out"] for n in compute if isinstance(n.kwargs.get("out"), fx.Node)}
+    return Group(compute, inputs, outputs, fx.GraphModule(torch.nn.Module(), graph), writes)
 
 
 def roofline_time(group: Group, profile: DeviceProfile) -> float:
@@ -137,31 +177,43 @@ def roofline_time(group: Group, profile: DeviceProfile) -> float:
     return max(flops / rate, moved / profile.mem_bw) + profile.launch_s
 
 
-def compile_groups(groups: list[Group], executor: Executor, device: torch.device, measure: bool) -> None:
-    """Compile each group (once per distinct subgraph); with `measure`, time it and find its scratch space."""
-    cache: dict[str, Callable] = {}
+@dataclass
+class CompiledGroup:
+    kernel: Callable[..., tuple]
+    time_s: float = 0.0
+    workspace_bytes: int = 0
+
+
+def compile_groups(
+    groups: list[Group], executor: Executor, device: torch.device, measure: bool,
+    cache: dict[str, CompiledGroup] | None = None,
+) -> None:
+    """Compile each group (once per distinct subgraph); with `measure`, time it and find its scratch
+    space (once per distinct subgraph too). `cache` carries both across calls for one graph."""
+    cache = {} if cache is None else cache
     with unset_fake_temporarily():
         for g in groups:
-            example = [random_like(n.meta["val"], device) for n in g.inputs]
-            # by structure, not node names: the same group in every layer compiles once
-            key = fingerprint(g.module)["hash"] + repr([(tuple(x.shape), x.stride(), x.dtype) for x in example])
+            # by structure, not node names: the same group in every layer compiles and is timed once
+            key = fingerprint(g.module)["hash"] + f"measured={measure}"
             if key not in cache:
-                cache[key] = executor.compile_group(g.module, example)
-            g.kernel = cache[key]
-            if measure:
-                g.time_s, g.workspace_bytes = _profile_kernel(g, example)
+                example = [random_like(n.meta["val"], device) for n in g.inputs]
+                done = CompiledGroup(executor.compile_group(g.module, example))
+                if measure:
+                    done.time_s, done.workspace_bytes = _profile_kernel(done.kernel, example)
+                cache[key] = done
+            g.kernel, g.time_s, g.workspace_bytes = cache[key].kernel, cache[key].time_s, cache[key].workspace_bytes
 
 
-def _profile_kernel(g: Group, example: list[torch.Tensor]) -> tuple[float, int]:
-    outs = g.kernel(*example)  # warm up
+def _profile_kernel(kernel: Callable[..., tuple], example: list[torch.Tensor]) -> tuple[float, int]:
+    outs = kernel(*example)  # warm up
     out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
     del outs
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        g.kernel(*example)
+        kernel(*example)
         best = min(best, time.perf_counter() - t0)
-    peak = measure_peak(lambda: g.kernel(*example), example[0].device if example else "cpu")
+    peak = measure_peak(lambda: kernel(*example), example[0].device if example else "cpu")
     return best, max(0, peak.peak_bytes - out_bytes)
 
 

@@ -107,6 +107,8 @@ class _Program:
             item = self.graph.call_function(operator.getitem, (call, i))
             item.meta = dict(out.meta)
             self.env[out] = item
+        for member, dest in group.writes.items():
+            self.env[member] = self.value(dest)
 
     def _emit_into(self, node: fx.Node, storage: int) -> None:
         overload, out_name = out_variant(node.target)

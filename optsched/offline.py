@@ -55,6 +55,8 @@ class _PlanOnlyExecutor:
     to the graph's ops as if they ran on CUDA.
     """
 
+    fuses_writes = False
+
     def __init__(self, name: str | None, profile: DeviceProfile):
         name = (name or "eager").lower()
         if name == "eager":
@@ -65,6 +67,7 @@ class _PlanOnlyExecutor:
             from .executors import InductorExecutor
 
             self._can_fuse = InductorExecutor().can_fuse
+            self.fuses_writes = True
         elif name == "nvfuser":
             if profile.device_type != "cuda":
                 raise ValueError(f"the nvfuser executor runs on CUDA devices only; profile {profile.name!r} is not one")
@@ -159,7 +162,7 @@ class OfflineBackend(PlanningBackend):
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         self._captured()
-        prepare_inference(gm)  # as optimize() does, so the fingerprints agree
+        prepare_inference(gm, split_foreach=self.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
         self._planned(gm, jg, "forward")
         self._done()

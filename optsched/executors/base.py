@@ -17,6 +17,7 @@ import torch.fx as fx
 
 class Executor(Protocol):
     name: str
+    fuses_writes: bool  # whether pointwise out= writes into the step's inputs may join its groups
 
     def can_fuse(self, node: fx.Node) -> bool:
         """Whether `node` (a call_function on an ATen OpOverload, with meta['val']) may join a fusion group."""

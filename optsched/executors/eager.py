@@ -10,6 +10,7 @@ import torch.fx as fx
 
 class EagerExecutor:
     name = "eager"
+    fuses_writes = False  # out= writes into inputs never join a group
 
     def can_fuse(self, node: fx.Node) -> bool:
         return False

@@ -1,12 +1,25 @@
 """TorchInductor as a fusion-group executor: each group is compiled on its own, so Inductor
-fuses within the group and cannot reorder or fuse across the plan (that is the planner's job)."""
+fuses within the group and cannot reorder or fuse across the plan (that is the planner's job).
+
+Kernels are shape-generic: a group is compiled once with symbolic sizes and reused by every
+group of the same structure and layout whose shapes satisfy the compile's shape guards
+(the same update in every layer, or an optimizer's per-parameter update for every
+parameter shape). Writes into the step's inputs (an optimizer's `out=` updates of
+parameters and state) may join a group: Inductor stores the new value straight into the
+input, in the same kernel, instead of a separate pass.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+from ..fingerprint import structure_hash
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "prod"}
 _CASTS = {"_to_copy", "clone"}
@@ -16,13 +29,60 @@ def _tensor_out(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def is_pointwise_write(target) -> bool:
+    """An `out=` form of a pointwise op (how a folded copy-back writes a new value into an input)."""
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and torch.Tag.out in target.tags
+        and torch.Tag.pointwise in target.tags
+        and not target.overloadpacket.__name__.startswith("_foreach")
+    )
+
+
+def _layout(x: torch.Tensor) -> tuple:
+    """What a shape-generic kernel is specialized on: everything but the sizes themselves."""
+    order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    return (x.dtype, x.device.type, x.dim(), order, tuple(s == 1 for s in x.shape), x.is_contiguous())
+
+
+@dataclass
+class _Kernel:
+    run: Callable
+    fakes: list | None  # symbolic example inputs; None: compiled for exact shapes
+    shape_env: ShapeEnv | None
+    exact: list | None = None  # the (shape, stride) it was compiled for, when not shape-generic
+
+    def accepts(self, xs: Sequence[torch.Tensor]) -> bool:
+        if self.shape_env is None:
+            return self.exact == [(tuple(x.shape), x.stride()) for x in xs]
+        return self.shape_env.evaluate_guards_for_args(self.fakes, list(xs))
+
+
+def _symbolic_inputs(example: Sequence[torch.Tensor]) -> tuple[list, ShapeEnv]:
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    fakes = []
+    for x in example:
+        dims = [DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in x.shape]
+        fakes.append(mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+    return fakes, shape_env
+
+
 class InductorExecutor:
     name = "inductor"
+    fuses_writes = True  # out= writes into inputs join groups (prepare_inference splits foreach ops for them)
+
+    def __init__(self) -> None:
+        self._kernels: dict[tuple, list[_Kernel]] = {}
+        self.compilations = 0
 
     def can_fuse(self, node: fx.Node) -> bool:
-        """Pointwise ops, casts and plain reductions with one tensor output; nothing random or mutating."""
+        """Pointwise ops, casts and plain reductions with one tensor output, and pointwise `out=`
+        writes; nothing random and no other mutation."""
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        if not isinstance(target, torch._ops.OpOverload):
+            return False
+        if target._schema.is_mutable and not is_pointwise_write(target):
             return False
         if torch.Tag.nondeterministic_seeded in target.tags or not _tensor_out(node):
             return False
@@ -30,9 +90,32 @@ class InductorExecutor:
         return torch.Tag.pointwise in target.tags or name in _REDUCTIONS or name in _CASTS
 
     def compile_group(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., tuple]:
-        compiled = torch._inductor.compile(gm, list(example_inputs))
+        key = (structure_hash(gm), tuple(_layout(x) for x in example_inputs))
+        kernels = self._kernels.setdefault(key, [])
+        for k in kernels:
+            if k.accepts(example_inputs):
+                return k.run
+        kernel = self._compile(gm, example_inputs)
+        kernels.append(kernel)
+        return kernel.run
 
-        def run(*xs: torch.Tensor) -> tuple:
-            return tuple(compiled(*xs))
+    def _compile(self, gm: fx.GraphModule, example: Sequence[torch.Tensor]) -> _Kernel:
+        self.compilations += 1
+        try:
+            fakes, shape_env = _symbolic_inputs(example)
+            compiled = torch._inductor.compile(gm, fakes)
+            kernel = _Kernel(_as_tuple(compiled), fakes, shape_env)
+            if kernel.accepts(example):
+                return kernel
+        except Exception:  # noqa: BLE001 - some graphs do not compile with symbolic sizes: fall back
+            pass
+        real = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in example]
+        compiled = torch._inductor.compile(gm, real)
+        return _Kernel(_as_tuple(compiled), None, None, [(tuple(x.shape), x.stride()) for x in example])
 
-        return run
+
+def _as_tuple(compiled: Callable) -> Callable[..., tuple]:
+    def run(*xs: torch.Tensor) -> tuple:
+        return tuple(compiled(*xs))
+
+    return run

@@ -146,6 +146,7 @@ class NvFuserExecutor:
     """Runs fusion groups as nvFuser kernels (see `base.Executor`)."""
 
     name = "nvfuser"
+    fuses_writes = False  # out= writes into inputs never join a group
 
     def __init__(self) -> None:
         nvfuser, why = _load()

@@ -29,10 +29,10 @@ from .offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from .plan import Plan
 from .problem_builder import Built, build_problem, reuse_candidates
 from .executors import get_executor
-from .fusion import Group, build_group, compile_groups, find_groups, horizontal_candidates, roofline_time
+from .fusion import Group, build_group, compile_groups, horizontal_candidates, roofline_time
 from .profiling import profile_nodes
 from .solvers import BudgetInfeasibleError, simulate, solve
-from .solvers.fusion import fuse_ops
+from .solvers.fusion import find_groups, fuse_ops
 from .solvers.problem import Problem
 from .solvers.problem import default_schedule
 

@@ -33,7 +33,7 @@ SPLITTABLE = frozenset({
 # foreach overload -> per-tensor overload, where the rule below (List/Scalar/... -> Tensor) does not hold
 _SINGLE = {
     "lerp": {"Scalar": "Scalar", "ScalarList": "Scalar", "List": "Tensor"},
-    "pow": {"List": "Tensor_Tensor", "Scalar": "Tensor_Scalar", "ScalarList": "Tensor_Scalar", "ScalarAndTensor": "Scalar"},
+    "pow": {"List": "Tensor_Tensor", "Scalar": "Tensor_Scalar", "ScalarList": "Tensor_Scalar"},
     "addcmul": {"Scalar": "default", "ScalarList": "default"},
     "addcdiv": {"Scalar": "default", "ScalarList": "default"},
     "clamp_min": {"Scalar": "default", "ScalarList": "default", "List": "Tensor"},
@@ -58,7 +58,13 @@ def single_op(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     found = _base(target)
     if found is None or found[0] not in SPLITTABLE:
         return None
-    base, _inplace = found
+    base, inplace = found
+    args = target._schema.arguments
+    if not args or str(args[0].type) != "List[Tensor]":
+        return None  # pow.ScalarAndTensor: a scalar first
+    written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+    if written != ([0] if inplace else []):
+        return None  # the _out overloads write a list of their own
     over = target._overloadname
     name = _SINGLE.get(base, {}).get(over, "default" if over == "default" else "Tensor")
     packet = getattr(aten, base, None)

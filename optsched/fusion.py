@@ -1,10 +1,10 @@
 """Fusion groups on the captured graph: which ops form a kernel, as what subgraph, at what cost.
 
-Groups are connected sets of ops the executor can fuse, in one phase, joined by values
-that only members read (so they never need to exist in memory), and convex. A value the
-backward reads, or the step returns, ends a group. Each group
-becomes a small fx.GraphModule (placeholders: the values it reads from outside; output:
-the values it materializes) that the executor compiles once per plan.
+Which ops form a group is decided on the problem (`solvers.fusion.find_groups`: connected,
+convex sets of ops the executor can fuse, joined by values only members read). Here each
+group becomes a small fx.GraphModule (placeholders: the values it reads from outside;
+output: the values it materializes; members writing into inputs keep their out= form) that
+the executor compiles once per distinct structure, and is timed once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -39,73 +38,6 @@ class Group:
     kernel: Callable[..., tuple] | None = None
     time_s: float = 0.0
     workspace_bytes: int = 0
-
-
-def find_chains(problem: Problem, fusible: list[bool]) -> list[list[int]]:
-    """Chains of at least two fusible ops linked by values no one else reads."""
-    readers = problem.consumers()
-    chains: list[list[int]] = []
-    chain_of: dict[int, int] = {}
-    for op in problem.ops:
-        if not fusible[op.id]:
-            continue
-        joined = None
-        for t in op.inputs:
-            p = problem.tensors[t].producer
-            c = chain_of.get(p) if p is not None else None
-            if (
-                c is not None
-                and chains[c][-1] == p
-                and problem.ops[p].phase is op.phase
-                and problem.ops[p].outputs == (t,)
-                and readers[t] == [op.id]
-                and t not in problem.outputs
-            ):
-                joined = c
-                break
-        if joined is None:
-            chain_of[op.id] = len(chains)
-            chains.append([op.id])
-        else:
-            chain_of[op.id] = joined
-            chains[joined].append(op.id)
-    return [c for c in chains if len(c) > 1]
-
-
-def find_groups(problem: Problem, fusible: list[bool]) -> list[list[int]]:
-    """Vertical fusion: connected sets of at least two fusible ops of one phase, joined by values
-    only fusible ops of that phase read (so none of those values needs memory), order tokens of
-    writes among them. A value read by one op joins it to its producer; a value read by several
-    joins them only when they already belong together (a diamond), never fanning out into
-    independent groups (that is horizontal fusion, which the planner tries separately). A set
-    that is not convex (a path leaves it and comes back) falls back to its chains."""
-    readers = problem.consumers()
-    group = nx.utils.UnionFind(op.id for op in problem.ops if fusible[op.id])
-    fanned: list[tuple[int, list[int]]] = []
-    for t in problem.tensors:
-        p, rs = t.producer, readers[t.id]
-        if p is None or not fusible[p] or t.id in problem.outputs or not rs:
-            continue
-        if not all(fusible[r] and problem.ops[r].phase is problem.ops[p].phase for r in rs):
-            continue
-        if len(set(rs)) == 1:
-            group.union(p, rs[0])
-        else:
-            fanned.append((p, rs))
-    for p, rs in sorted(fanned, reverse=True):  # later producers first: their diamonds close first
-        if len({group[r] for r in rs}) == 1:
-            group.union(p, rs[0])
-    groups: list[list[int]] = []
-    for component in group.to_sets():
-        members = sorted(component)
-        if len(members) < 2:
-            continue
-        try:
-            check_group(problem, members)
-            groups.append(members)
-        except ValueError:
-            groups += find_chains(problem, [f and i in component for i, f in enumerate(fusible)])
-    return sorted(groups)
 
 
 def _storage_holder(jg: JointGraph, s: int) -> fx.Node:

@@ -103,6 +103,7 @@ class _Program:
     def _emit_group(self, group: Group) -> None:
         args = tuple(self.value(n) for n in group.inputs)
         call = self.graph.call_function(group.kernel, args)
+        call.meta["fusion_group"] = group  # what the kernel computes and writes, for readers of the program
         for i, out in enumerate(group.outputs):
             item = self.graph.call_function(operator.getitem, (call, i))
             item.meta = dict(out.meta)

@@ -5,6 +5,10 @@ contiguously; its materialized inputs and outputs are live together while it run
 (the simulator's rule for any op); a value made and consumed only inside the group is
 never materialized, so it takes no memory (its storage keeps its id with 0 bytes). The
 group's time is the executor's estimate for the fused kernel, given by the caller.
+
+Which ops form groups: `find_groups` (vertical fusion: ops joined by values only they read,
+order tokens of writes included, never fanning out across independent ops), with
+`find_chains` as the fallback for a set that is not convex.
 """
 
 from __future__ import annotations
@@ -125,3 +129,70 @@ def _units_in_order(problem: Problem, groups: list[list[int]], group_of: dict[in
                 dag.add_edge(unit_of[p], unit_of[op.id])
     phase = {k: problem.ops[u[0]].phase is Phase.BW for k, u in units.items()}
     return [units[k] for k in nx.lexicographical_topological_sort(dag, key=lambda k: (phase[k], k))]
+
+
+def find_chains(problem: Problem, fusible: list[bool]) -> list[list[int]]:
+    """Chains of at least two fusible ops linked by values no one else reads."""
+    readers = problem.consumers()
+    chains: list[list[int]] = []
+    chain_of: dict[int, int] = {}
+    for op in problem.ops:
+        if not fusible[op.id]:
+            continue
+        joined = None
+        for t in op.inputs:
+            p = problem.tensors[t].producer
+            c = chain_of.get(p) if p is not None else None
+            if (
+                c is not None
+                and chains[c][-1] == p
+                and problem.ops[p].phase is op.phase
+                and problem.ops[p].outputs == (t,)
+                and readers[t] == [op.id]
+                and t not in problem.outputs
+            ):
+                joined = c
+                break
+        if joined is None:
+            chain_of[op.id] = len(chains)
+            chains.append([op.id])
+        else:
+            chain_of[op.id] = joined
+            chains[joined].append(op.id)
+    return [c for c in chains if len(c) > 1]
+
+
+def find_groups(problem: Problem, fusible: list[bool]) -> list[list[int]]:
+    """Vertical fusion: connected sets of at least two fusible ops of one phase, joined by values
+    only fusible ops of that phase read (so none of those values needs memory), order tokens of
+    writes among them. A value read by one op joins it to its producer; a value read by several
+    joins them only when they already belong together (a diamond), never fanning out into
+    independent groups (that is horizontal fusion, which the planner tries separately). A set
+    that is not convex (a path leaves it and comes back) falls back to its chains."""
+    readers = problem.consumers()
+    group = nx.utils.UnionFind(op.id for op in problem.ops if fusible[op.id])
+    fanned: list[tuple[int, list[int]]] = []
+    for t in problem.tensors:
+        p, rs = t.producer, readers[t.id]
+        if p is None or not fusible[p] or t.id in problem.outputs or not rs:
+            continue
+        if not all(fusible[r] and problem.ops[r].phase is problem.ops[p].phase for r in rs):
+            continue
+        if len(set(rs)) == 1:
+            group.union(p, rs[0])
+        else:
+            fanned.append((p, rs))
+    for p, rs in sorted(fanned, reverse=True):  # later producers first: their diamonds close first
+        if len({group[r] for r in rs}) == 1:
+            group.union(p, rs[0])
+    groups: list[list[int]] = []
+    for component in group.to_sets():
+        members = sorted(component)
+        if len(members) < 2:
+            continue
+        try:
+            check_group(problem, members)
+            groups.append(members)
+        except ValueError:
+            groups += find_chains(problem, [f and i in component for i, f in enumerate(fusible)])
+    return sorted(groups)

@@ -88,6 +88,13 @@ def writes(graph: fx.Graph, only=None) -> collections.Counter:
             names.setdefault(StorageWeakRef(p.meta["val"].untyped_storage()), p.name)
     count: collections.Counter = collections.Counter()
     for n in graph.nodes:
+        group = n.meta.get("fusion_group")
+        if group is not None and only is None:  # a fused kernel stores into each input its members write once
+            for dest in set(group.writes.values()):
+                key = StorageWeakRef(dest.meta["val"].untyped_storage())
+                if key in names:
+                    count[names[key]] += 1
+            continue
         target = n.target
         if n.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
             continue
@@ -496,8 +503,12 @@ def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for s in opt.state.values() for t in s.values()]
 
 
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
-def test_adam_step(foreach, monkeypatch):
+def test_adam_step(foreach, executor, monkeypatch):
+    """With the inductor executor each parameter's update (foreach ops split per tensor) is one
+    fused kernel writing parameter and state in place: close to the traced program, not bitwise
+    (Inductor's kernels round differently), and below eager's peak."""
     seen = {}
     inference = PlanningBackend._inference
 
@@ -511,7 +522,7 @@ def test_adam_step(foreach, monkeypatch):
     model, opt = _model(foreach)
     ref_model, ref_opt = _model(foreach)
     eager_model, eager_opt = _model(foreach)
-    step = optsched.optimize(step_fn(opt), None, time_limit_s=TIME_LIMIT_S)
+    step = optsched.optimize(step_fn(opt), None, time_limit_s=TIME_LIMIT_S, executor=executor)
     ref = torch.compile(step_fn(ref_opt), backend="eager", fullgraph=True)
     for _ in range(3):
         step()
@@ -529,7 +540,10 @@ def test_adam_step(foreach, monkeypatch):
         list(eager_model.parameters()) + _state(eager_opt),
         strict=True,
     ):
-        assert torch.equal(got, want)
+        if executor == "eager":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
 
     # every mutated tensor is written in the program that runs, with no copy-back left but the
@@ -543,6 +557,11 @@ def test_adam_step(foreach, monkeypatch):
     assert lowered.keys() == captured.keys()
     assert all(copied[name] == 0 for name, n in lowered.items() if n > 1)
     assert set(lowered.values()) <= {1, 2} and sum(copied.values()) <= n_params
+    if executor == "inductor":  # one kernel per parameter writes its parameter and both moments, once each
+        groups = [n.meta["fusion_group"] for n in seen["lowered"].graph.nodes if "fusion_group" in n.meta]
+        updates = [g for g in groups if len(set(g.writes.values())) == 3]
+        assert len(updates) == n_params
+        assert set(lowered.values()) == {1}
 
     # no higher than eager's: temporaries are written into dying lists as eager's in-place ops do
     # (the slack: the compiled step's bias corrections are 0-dim float32 tensors, two per parameter)

@@ -163,3 +163,29 @@ def test_fusion_groups_next_to_writes_into_inputs():
     assert opt.plan.fusion_groups
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(buf, ref_buf, rtol=1e-6, atol=1e-6)
+
+
+def test_inductor_kernels_are_compiled_once_per_structure_for_every_shape_their_guards_allow():
+    """The same group at other sizes reuses the kernel; sizes outside the compile's shape guards
+    (Inductor picks a reduction strategy for rows up to 4096 here) get a kernel of their own."""
+    from torch import fx
+
+    from optsched.executors.inductor import InductorExecutor
+
+    aten = torch.ops.aten
+
+    def f(x, y):
+        return (aten.sum.dim_IntList(aten.mul.Tensor(x, y), [1]),)
+
+    gm = fx.symbolic_trace(f)
+    ex = InductorExecutor()
+    compiled = []
+    for shape in [(64, 64), (64, 3), (5000, 7), (7, 100000), (9, 50000), (12,)]:
+        xs = [torch.randn(shape), torch.randn(shape)]
+        if len(shape) == 1:
+            gm = fx.symbolic_trace(lambda x, y: (aten.sum.dim_IntList(aten.mul.Tensor(x, y), [0]),))
+        kernel = ex.compile_group(gm, xs)
+        torch.testing.assert_close(kernel(*xs)[0], (xs[0] * xs[1]).sum(-1), rtol=1e-5, atol=1e-3)
+        compiled.append(ex.compilations)
+    assert compiled == [1, 1, 1, 2, 2, 3]
+

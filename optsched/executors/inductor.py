@@ -58,14 +58,13 @@ class _Kernel:
         return self.shape_env.evaluate_guards_for_args(self.fakes, list(xs))
 
 
-def _symbolic_inputs(example: Sequence[torch.Tensor]) -> tuple[list, ShapeEnv]:
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env)
+def _symbolic_inputs(example: Sequence[torch.Tensor]) -> tuple[list, FakeTensorMode]:
+    mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = []
     for x in example:
         dims = [DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in x.shape]
         fakes.append(mode.from_tensor(x, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
-    return fakes, shape_env
+    return fakes, mode
 
 
 class InductorExecutor:
@@ -102,15 +101,25 @@ class InductorExecutor:
     def _compile(self, gm: fx.GraphModule, example: Sequence[torch.Tensor]) -> _Kernel:
         self.compilations += 1
         try:
-            fakes, shape_env = _symbolic_inputs(example)
-            compiled = torch._inductor.compile(gm, fakes)
-            kernel = _Kernel(_as_tuple(compiled), fakes, shape_env)
+            fakes, mode = _symbolic_inputs(example)
+            # a tracing context of its own: guards on these sizes belong to this kernel, not to the
+            # Dynamo compilation that is planning the step. No graph caches: a cache hit does not
+            # put the cached kernel's shape guards into this shape env, and `accepts` needs them
+            # all (32-bit indexing, reduction strategies)
+            with (
+                torch._guards.tracing(torch._guards.TracingContext(mode)),
+                torch._inductor.config.patch(fx_graph_cache=False),
+                torch._functorch.config.patch(enable_autograd_cache=False),
+            ):
+                compiled = torch._inductor.compile(gm, fakes)
+            kernel = _Kernel(_as_tuple(compiled), fakes, mode.shape_env)
             if kernel.accepts(example):
                 return kernel
         except Exception:  # noqa: BLE001 - some graphs do not compile with symbolic sizes: fall back
             pass
         real = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in example]
-        compiled = torch._inductor.compile(gm, real)
+        with torch._guards.tracing(None):
+            compiled = torch._inductor.compile(gm, real)
         return _Kernel(_as_tuple(compiled), None, None, [(tuple(x.shape), x.stride()) for x in example])
 
 

@@ -6,8 +6,12 @@ computing them where no order the planner may pick can change a value
 (`optsched/inplace.py`), then plans and runs the step. This benchmark compiles the step
 of a GPT with about 200 parameter tensors, for-loop (`foreach=False`) and `foreach=True`:
 
+* optsched with the default (eager) executor, and with the inductor executor, which splits
+  foreach ops per tensor and fuses each parameter's update, writes into parameter and
+  state included, into one shape-generic kernel (compiled once per structure and rank);
 * compile time of the first call: optsched (its planning time too) and torch.compile
-  (Inductor, C++ codegen on CPU; its on-disk caches are off so every compile is cold);
+  (Inductor, C++ codegen on CPU; its on-disk caches are off so every compile is cold;
+  optsched's shape-generic kernels never use Inductor's graph caches either);
 * time per step against eager `opt.step()`, timed alternately (`measure_ratio`);
 * peak allocator bytes above the start of a step (parameters, gradients and state held);
 * whether parameters and state after the first steps equal eager's, bitwise, and equal
@@ -34,6 +38,7 @@ from torch import nn
 
 import optsched
 from benchmarks import write_result
+from benchmarks.report import adam_table
 from benchmarks.models.gpt import GPTConfig, build, make_batch
 from optsched.backend import PlanningBackend
 from optsched.measure import live_bytes, measure_peak, measure_ratio
@@ -85,6 +90,7 @@ def _watch_inference(seen: dict):
         seen["copies_captured"] = sum(n.target is COPY_ for n in gm.graph.nodes)
         run = original(self, gm, example_inputs)
         lowered = run.graph_module.graph
+        seen["lowered"] = lowered
         seen["copies_lowered"] = sum(n.target is COPY_ for n in lowered.nodes)
         seen["lowered_ops"] = collections.Counter(
             str(n.target) for n in lowered.nodes if n.op == "call_function" and "getitem" not in str(n.target)
@@ -104,25 +110,40 @@ def _first_call(fn) -> float:
     return time.perf_counter() - t0
 
 
+OPTSCHED_VARIANTS = {"optsched": "eager", "optsched_inductor": "inductor"}  # variant -> optsched executor
+
+
+def _plan_row(prefix: str, opt_step, seen: dict) -> dict:
+    plan = opt_step.plan
+    lowered = seen["lowered"]
+    groups = [n.meta["fusion_group"] for n in lowered.nodes if "fusion_group" in n.meta]
+    return {
+        f"{prefix}_plan_s": plan.solve_time_s,
+        f"{prefix}_n_ops": len(plan.problem.ops),
+        f"{prefix}_status": plan.solver_status,
+        f"{prefix}_fusion_groups": len(groups),
+        f"{prefix}_copies_lowered": seen["copies_lowered"],
+        f"{prefix}_writes_folded": seen["copies_captured"] - seen["copies_lowered"],
+        f"{prefix}_lowered_ops": dict(seen["lowered_ops"].most_common(12)),
+    }
+
+
 def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int) -> dict:
     eager = _replica(model, grads, foreach)
     traced = _replica(model, grads, foreach)
-    ours = _replica(model, grads, foreach)
-    seen: dict = {}
     row: dict = {"foreach": foreach, "param_tensors": len(list(model.parameters()))}
     row["param_bytes"] = live_bytes(model)
 
-    with _watch_inference(seen):
-        opt_step = optsched.optimize(step_fn(ours[1]), None)
-        row["optsched_first_call_s"] = _first_call(opt_step)
-    plan = opt_step.plan
-    row["optsched_plan_s"] = plan.solve_time_s
-    row["optsched_n_ops"] = len(plan.problem.ops)
-    row["optsched_status"] = plan.solver_status
-    row["copies_captured"] = seen["copies_captured"]
-    row["copies_lowered"] = seen["copies_lowered"]
-    row["writes_folded"] = seen["copies_captured"] - seen["copies_lowered"]
-    row["lowered_ops"] = dict(seen["lowered_ops"].most_common(12))
+    variants = {}
+    for name, executor in OPTSCHED_VARIANTS.items():
+        state = _replica(model, grads, foreach)
+        seen: dict = {}
+        with _watch_inference(seen):
+            opt_step = optsched.optimize(step_fn(state[1]), None, executor=executor)
+            row[f"{name}_first_call_s"] = _first_call(opt_step)
+        row["copies_captured"] = seen["copies_captured"]
+        row.update(_plan_row(name, opt_step, seen))
+        variants[name] = (opt_step, state)
 
     # the reference program: the same Dynamo graph run op by op, with addcmul_/addcdiv_ kept whole
     # (optsched puts back the mul + fma Dynamo splits them into; optsched/restore_ops.py)
@@ -134,7 +155,7 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
 
     traced_step()
     eager[1].step()
-    variants = {"optsched": (opt_step, ours)}
+    plans = {name: fn.plan for name, (fn, _) in variants.items()}
     if inductor:
         ind = _replica(model, grads, foreach)
         with torch._inductor.config.patch(force_disable_caches=True):
@@ -154,8 +175,10 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
     row["eager_peak_bytes"] = measure_peak(eager[1].step).peak_bytes
     for name, (fn, _state) in variants.items():
         row[f"{name}_peak_bytes"] = measure_peak(fn).peak_bytes
-    row["optsched_predicted_peak_bytes"] = plan.predicted_peak_bytes - _held(*ours)
-    assert opt_step.plan is plan, "re-planned"
+    for name, plan in plans.items():
+        fn, state = variants[name]
+        row[f"{name}_predicted_peak_bytes"] = plan.predicted_peak_bytes - _held(*state)
+        assert fn.plan is plan, f"{name} re-planned"
 
     for name, (fn, _) in variants.items():
         t, t_eager = measure_ratio(fn, eager[1].step, repeat=repeat)
@@ -202,30 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name]["torch"] = torch.__version__
         print(f"{name}: done", flush=True)
 
-    kib = 1024
     print(f"\nAdam step, GPT with {rows[next(iter(rows))]['param_tensors']} parameter tensors "
           f"({rows[next(iter(rows))]['param_bytes'] / 2**20:.1f} MiB), CPU, {torch.get_num_threads()} threads")
-    print(f"{'':>9} | {'compile s (1st call)':>26} | {'step ms (vs eager, alternating)':>40} | "
-          f"{'peak KiB above start':>38} | {'same as eager / traced':>22}")
-    print(f"{'':>9} | {'optsched':>8} {'(plan)':>7} {'inductor':>9} | {'eager':>7} {'optsched':>8} {'ratio':>5} "
-          f"{'inductor':>8} {'ratio':>5} | {'eager':>8} {'optsched':>8} {'(pred)':>8} {'inductor':>9} | "
-          f"{'optsched':>10} {'inductor':>10}")
-    for name, r in rows.items():
-        ind = "inductor_first_call_s" in r
-        fmt = lambda c: ("=" if c["bitwise"] else f"{c['max_abs_diff']:.0e}")
-        print(
-            f"{name:>9} | {r['optsched_first_call_s']:8.1f} {r['optsched_plan_s']:7.1f} "
-            f"{r['inductor_first_call_s'] if ind else float('nan'):9.1f} | "
-            f"{r['optsched_eager_step_s'] * 1e3:7.2f} {r['optsched_step_s'] * 1e3:8.2f} {r['optsched_time_ratio']:5.2f} "
-            f"{r['inductor_step_s'] * 1e3 if ind else float('nan'):8.2f} {r['inductor_time_ratio'] if ind else float('nan'):5.2f} | "
-            f"{r['eager_peak_bytes'] / kib:8.0f} {r['optsched_peak_bytes'] / kib:8.0f} "
-            f"{r['optsched_predicted_peak_bytes'] / kib:8.0f} {r['inductor_peak_bytes'] / kib if ind else float('nan'):9.0f} | "
-            f"{fmt(r['optsched_vs_eager']):>4} / {fmt(r['optsched_vs_traced']):<3} "
-            f"{fmt(r['inductor_vs_eager']) if ind else '-':>4} / {fmt(r['inductor_vs_traced']) if ind else '-':<3}"
-        )
-        print(f"{'':>9}   optsched folded {r['writes_folded']} of {r['copies_captured']} copy-back writes; "
-              f"{r['optsched_n_ops']} ops planned, {r['optsched_status']}")
-    print("'=': bitwise equal; otherwise the largest difference. traced: the same Dynamo graph run op by op.")
+    print(adam_table(rows))
+    print("traced program: the same Dynamo graph run op by op; bitwise, or the largest difference.")
     write_result(args.json, rows)
     return rows
 

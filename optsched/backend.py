@@ -143,17 +143,17 @@ class PlanningBackend:
         return problem, items
 
     def _plan_fused(self, jg, built: Built, graph_nodes: int) -> tuple[Plan, list]:
-        """Plan with the executor's vertical chains; then try each horizontal group, kept only if the
+        """Plan with the executor's vertical groups; then try each horizontal group, kept only if the
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
         fusible = [self.executor.can_fuse(n) for n in built.nodes]
-        chains = find_groups(built.problem, fusible)
+        groups = find_groups(built.problem, fusible)
         compiled: dict = {}
-        problem, items = self._fuse(jg, built, chains, compiled)
+        problem, items = self._fuse(jg, built, groups, compiled)
         plan = self._plan(problem, graph_nodes, items)
-        taken = {o for c in chains for o in c}
+        taken = {o for c in groups for o in c}
         for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
-            trial_problem, trial_items = self._fuse(jg, built, chains + [cand], compiled)
+            trial_problem, trial_items = self._fuse(jg, built, groups + [cand], compiled)
             label = f"horizontal group of {len(cand)} {built.nodes[cand[0]].target}"
             try:
                 trial = self._plan(trial_problem, graph_nodes, trial_items, plan.budget_bytes)
@@ -163,7 +163,7 @@ class PlanningBackend:
             mib = 2**20
             if trial.sim.time_s < plan.sim.time_s and trial.sim.peak_bytes <= plan.sim.peak_bytes:
                 trial.stats.notes += plan.stats.notes + [f"{label}: kept"]
-                plan, items, chains = trial, trial_items, chains + [cand]
+                plan, items, groups = trial, trial_items, groups + [cand]
             else:
                 plan.stats.notes.append(
                     f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "

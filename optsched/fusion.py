@@ -92,6 +92,8 @@ def build_group(jg: JointGraph, problem: Problem, members: list[int], nodes: lis
     graph.lint()
     # an out= member returns its destination, so whoever reads the member reads that input (updated)
     writes = {n: n.kwargs["out"] for n in compute if isinstance(n.kwargs.get("out"), fx.Node)}
+    if not set(writes.values()) <= set(inputs):
+        raise ValueError(f"fusion group {[n.name for n in compute]} writes into a value made inside it")
     return Group(compute, inputs, outputs, fx.GraphModule(torch.nn.Module(), graph), writes)
 
 

@@ -50,16 +50,21 @@ def _arg(a, index: dict[fx.Node, int]):
     return repr(a)
 
 
+def _graph_rows(gm: fx.GraphModule) -> list[list]:
+    """Per node: [op, target, arguments (nodes by position, devices as one token), shape, stride, dtype]."""
+    index: dict[fx.Node, int] = {}
+    rows = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        rows.append([node.op, _target(node), _arg(node.args, index), _arg(node.kwargs, index), *_meta(node)])
+    return rows
+
+
 def fingerprint(gm: fx.GraphModule, extra: dict | None = None) -> dict:
     """{"hash": sha256 of every node's op, target, arguments (devices as one token), shapes, strides and
     dtypes (plus `extra`), "nodes": [[name, target, shape, dtype], ...] for naming the first difference}."""
-    index: dict[fx.Node, int] = {}
-    full, nodes = [], []
-    for i, node in enumerate(gm.graph.nodes):
-        index[node] = i
-        shape, stride, dtype = _meta(node)
-        full.append([node.op, _target(node), _arg(node.args, index), _arg(node.kwargs, index), shape, stride, dtype])
-        nodes.append([node.name, _target(node), shape, dtype])
+    full = _graph_rows(gm)
+    nodes = [[node.name, target, shape, dtype] for node, (_op, target, _a, _k, shape, _s, dtype) in zip(gm.graph.nodes, full)]
     body = json.dumps({"graph": full, "extra": extra or {}}, sort_keys=True)
     return {"hash": hashlib.sha256(body.encode()).hexdigest(), "nodes": nodes}
 
@@ -67,9 +72,5 @@ def fingerprint(gm: fx.GraphModule, extra: dict | None = None) -> dict:
 def structure_hash(gm: fx.GraphModule) -> str:
     """sha256 of every node's op, target, arguments and dtypes, without shapes and strides: graphs
     that differ only in their tensors' sizes (a shape-generic kernel's reuse) hash the same."""
-    index: dict[fx.Node, int] = {}
-    full = []
-    for i, node in enumerate(gm.graph.nodes):
-        index[node] = i
-        full.append([node.op, _target(node), _arg(node.args, index), _arg(node.kwargs, index), _meta(node)[2]])
-    return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()
+    rows = [[op, target, args, kwargs, dtype] for op, target, args, kwargs, _shape, _stride, dtype in _graph_rows(gm)]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()

@@ -103,7 +103,7 @@ def element_call(node: fx.Node, i: int) -> tuple[torch._ops.OpOverload, tuple, d
 def _splittable(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if single_op(node.target) is None or node.kwargs.get("out") is not None:
+    if single_op(node.target) is None:  # also None for the _out overloads
         return False
     first = node.args[0] if node.args else None
     if not isinstance(first, (list, tuple)) or not first:
@@ -134,7 +134,7 @@ def split_foreach(gm: fx.GraphModule) -> int:
                     new.meta["val"] = dest.meta["val"]
                 elif i in getitems:
                     new = graph.call_function(single, args, kwargs)
-                    new.meta = {k: v for k, v in getitems[i].meta.items()}
+                    new.meta = dict(getitems[i].meta)
                     getitems[i].replace_all_uses_with(new)
                 else:
                     continue  # an output nobody reads

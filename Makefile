@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all bench clean lint
+.PHONY: setup demo test test-all test-zoo bench clean lint
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: setup lint
 test-all: setup
 	$(BIN)/python -m pytest -q -m ''
 
+# every zoo case (the default subset included): transformers' and torch.nn models under optsched's contracts
+test-zoo: setup
+	$(BIN)/python -m pytest -q tests/test_zoo.py -m 'zoo or not zoo'
+
 bench: setup
 	$(BIN)/python -m benchmarks.seed_order
 	$(BIN)/python -m benchmarks.offload
@@ -35,6 +39,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.adam_step
 	$(BIN)/python -m benchmarks.gpt_budget
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
+	$(BIN)/python -m benchmarks.zoo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -181,6 +181,104 @@ def offline_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# The zoo's contracts, shared by the table here, benchmarks.zoo's console output and tests/test_zoo.py.
+ZOO_PREDICTION_TOLERANCE = 0.01  # predicted peak within 1% of measured
+# With no budget, measured may exceed eager's measured peak by this much. The CPU allocator reports requested
+# sizes (no rounding, see optsched.measure), so the slack only covers the 0-dim scalar temporaries ops wrap
+# Python numbers in (8 bytes each); it is the size of the smallest per-token tensor of the zoo's configs
+# (batch 4 x sequence 64 x 4 bytes = 1 KiB), so no activation can hide in it.
+ZOO_NO_BUDGET_SLACK_BYTES = 1024
+
+
+def _budget_label(fraction) -> str:
+    return "none" if fraction is None else f"{fraction:.0%}"
+
+
+def zoo_contract_failures(case: dict) -> list[str]:
+    """What one zoo case breaks: errors, gradients, budget, prediction, no-budget peak above eager."""
+    if "error" in case:
+        e = case["error"]
+        return [f"eager: {e['type']}: {e['message']}"]
+    out = []
+    eager_peak = case["eager"]["measured_peak_bytes"]
+    for r in case["budgets"]:
+        label = _budget_label(r["fraction"])
+        if "error" in r:
+            e = r["error"]
+            out.append(f"{label}: {e['type']} at {e['stage']}: {e['message']}")
+            continue
+        if r.get("infeasible"):
+            if r["fraction"] is None or r["lower_bound_bytes"] <= r["budget_bytes"]:
+                out.append(f"{label}: not reached (BudgetInfeasibleError): lowest found {r['lowest_peak_bytes'] / MIB:.2f} MiB "
+                           f"for a budget of {r['budget_bytes'] / MIB:.2f} MiB that the proven bound "
+                           f"({r['lower_bound_bytes'] / MIB:.2f} MiB) does not rule out")
+            continue
+        if r["max_grad_diff"] is None:
+            out.append(f"{label}: gradients missing for {', '.join(r.get('grads_missing', []))}")
+        elif r["max_grad_diff"] != 0:
+            out.append(f"{label}: gradients differ from eager by {r['max_grad_diff']:.1e}")
+        if not r["within_budget"]:
+            out.append(f"{label}: measured {r['measured_peak_bytes'] / MIB:.2f} MiB over the budget "
+                       f"{r['budget_bytes'] / MIB:.2f} MiB")
+        rel = r.get("predicted_vs_measured")
+        if rel is None:
+            out.append(f"{label}: no plan")
+        elif abs(rel) > ZOO_PREDICTION_TOLERANCE:
+            out.append(f"{label}: predicted {r['predicted_peak_bytes'] / MIB:.2f} MiB vs measured "
+                       f"{r['measured_peak_bytes'] / MIB:.2f} MiB ({rel:+.1%})")
+        if r["fraction"] is None and r["measured_peak_bytes"] > eager_peak + ZOO_NO_BUDGET_SLACK_BYTES:
+            out.append(f"none: measured {r['measured_peak_bytes'] / MIB:.2f} MiB above eager's {eager_peak / MIB:.2f} MiB "
+                       f"(+{(r['measured_peak_bytes'] - eager_peak) / 1024:.0f} KiB)")
+    return out
+
+
+def zoo_table(d: dict) -> str:
+    c = d["config"]
+    budgets = c["budgets"]
+    head = "| model | call | eager peak |"
+    rule = "|---|---|---|"
+    for b in budgets:
+        label = "no budget" if b is None else f"{b:.0%}"
+        head += f" {label}: measured | predicted | time vs eager | plan s |"
+        rule += "---|---|---|---|"
+    lines = [
+        f"{len(d['cases'])} cases: {c['layers']} layers, width {c['width']}, vocabulary {c['vocab']}, batch {c['batch']}, "
+        f"sequence {c['seq']} (ViT: 16 images of 32x32), random weights; torch {c['torch']}, transformers "
+        f"{c['transformers']}, {c['threads']} CPU threads. Peaks in MiB at the allocator; budgets are fractions of "
+        f"eager's measured peak, in bytes; plan s = the first call (capture and planning). The whole zoo took "
+        f"{c['total_s'] / 60:.0f} min.",
+        "",
+        head,
+        rule,
+    ]
+    for case in d["cases"]:
+        row = f"| {case['model']} | {case['pattern']} |"
+        if "error" in case:
+            lines.append(row + f" eager fails: {case['error']['type']} |" + " | | | |" * len(budgets))
+            continue
+        row += f" {case['eager']['measured_peak_bytes'] / MIB:.2f} |"
+        for r in case["budgets"]:
+            if "error" in r:
+                row += f" fails: {r['error']['type']} | | | |"
+            elif r.get("infeasible"):
+                row += (f" infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f}, bound {r['lower_bound_bytes'] / MIB:.2f}) "
+                        f"| | | |")
+            else:
+                over = " (over)" if not r["within_budget"] else ""
+                t = f"{r['time_ratio']:.2f}x" if "time_ratio" in r else ""
+                row += (f" {r['measured_peak_bytes'] / MIB:.2f}{over} | {r['predicted_peak_bytes'] / MIB:.2f} | {t} | "
+                        f"{r['first_call_s']:.1f} |")
+        lines.append(row)
+    failures = [(case, f) for case in d["cases"] for f in zoo_contract_failures(case)]
+    if failures:
+        lines += ["", "Contracts broken (gradients equal to eager's, measured within the budget, predicted within "
+                      f"{ZOO_PREDICTION_TOLERANCE:.0%} of measured, no budget not above eager's peak, errors):", ""]
+        lines += [f"- {case['model']} [{case['pattern']}]: {f}" for case, f in failures]
+    else:
+        lines += ["", "Every case keeps every contract."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
@@ -191,6 +289,7 @@ TABLES = {
     "offload": ("offload.json", offload_table),
     "adam": ("adam_step.json", adam_table),
     "offline": ("plan_offline.json", offline_table),
+    "zoo": ("zoo.json", zoo_table),
 }
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .api import optimize
     from .budget import parse_budget
+    from .capture_errors import CaptureError
     from .costs import PROFILES, DeviceProfile
     from .offline import plan_offline
     from .plan import SUMMARY_KEYS, Plan
@@ -24,6 +25,7 @@ _LAZY = {
     "optimize": "api",
     "plan_offline": "offline",
     "parse_budget": "budget",
+    "CaptureError": "capture_errors",
     "PROFILES": "costs",
     "DeviceProfile": "costs",
     "SUMMARY_KEYS": "plan",
@@ -39,6 +41,7 @@ __all__ = [
     "PROFILES",
     "SUMMARY_KEYS",
     "BudgetInfeasibleError",
+    "CaptureError",
     "DeviceProfile",
     "Plan",
     "PlanFile",

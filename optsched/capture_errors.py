@@ -1,0 +1,281 @@
+"""What users write in a forward, captured or explained.
+
+optsched captures the whole step as one graph (`torch.compile(fullgraph=True)`), so anything
+Dynamo cannot put into a graph stops the capture. Three things here:
+
+- `capturing(compiled)`: wraps the compiled call. Logging inside the traced code never stops
+  capture: every `logging.Logger` emitting method (`debug` ... `critical`, `log`, and the ones
+  libraries attach to the class, such as transformers' `warning_once` / `info_once`), the
+  `logging` module's functions and `warnings.warn` are added to
+  `torch._dynamo.config.ignore_logging_functions` for the duration of the call only (Dynamo
+  reads the set while tracing and guards on nothing about it, so the patch neither recompiles
+  nor outlives the call). Those calls are dropped from the captured step: they are not emitted
+  while it runs. Dynamo's graph-break exceptions become a `CaptureError` naming the user's
+  file and line, the construct and the fix, with Dynamo's exception chained.
+- `check_static_sizes(gm)`: called by the backend on the graph Dynamo hands it, before any
+  planning code: a value whose size depends on tensor data (boolean-mask indexing, nonzero,
+  unique, a size taken from `.item()`) gets a `CaptureError` naming its source line.
+- `CaptureError`: a RuntimeError, as the Dynamo exceptions it replaces are (code that caught
+  those as RuntimeError still catches it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+import os
+import re
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+
+class CaptureError(RuntimeError):
+    """The step cannot be captured as one graph. `filename`, `lineno` (the user's code, when known),
+    `construct` (what was found there), `fix` (what to write instead) and `reason` (Dynamo's own text)."""
+
+    def __init__(self, message: str, *, filename: str | None = None, lineno: int | None = None,
+                 construct: str = "", fix: str = "", reason: str = ""):
+        super().__init__(message)
+        self.filename, self.lineno, self.construct, self.fix, self.reason = filename, lineno, construct, fix, reason
+
+
+# ---------------------------------------------------------------------------------------------
+# logging never stops capture
+
+_LEVEL_NAMES = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _is_emitter(name: str) -> bool:
+    """`info`, `warning`, ... and library helpers named after a level (`warning_once`, `info_once`,
+    `warning_advice`); `isEnabledFor` too (ignored, it reads as false: the logging it guards is dropped)."""
+    return name == "isEnabledFor" or any(name == lv or name.startswith(lv + "_") for lv in _LEVEL_NAMES)
+
+
+def ignored_logging_functions() -> set[Callable]:
+    """What Dynamo should treat as a no-op while tracing: computed at each call, so helpers a
+    library attaches to `logging.Logger` after `optimize()` (transformers on import) are covered."""
+    out: set[Callable] = set()
+    for name in dir(logging.Logger):
+        attr = getattr(logging.Logger, name, None)
+        if _is_emitter(name) and callable(attr):
+            out.add(attr)
+    for name in _LEVEL_NAMES:  # logging.warning(...) and friends: module-level functions on the root logger
+        fn = getattr(logging, name, None)
+        if callable(fn):
+            out.add(fn)
+    out.update((warnings.warn, warnings.warn_explicit))
+    return out
+
+
+@contextlib.contextmanager
+def logging_ignored():
+    """For one compiled call: our functions added to Dynamo's ignore set (the user's own entries stay,
+    and the set is back as it was afterwards), and `logging.getLogger` evaluated while tracing (as
+    `torch._dynamo.assume_constant_result` does, for this call only), so that
+    `logging.getLogger(name).info(...)` in traced code reaches a logger whose methods are ignored."""
+    config = torch._dynamo.config
+    marked = getattr(logging.getLogger, "_dynamo_marked_constant", None)
+    logging.getLogger._dynamo_marked_constant = True
+    try:
+        with config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | ignored_logging_functions()):
+            yield
+    finally:
+        if marked is None:
+            del logging.getLogger._dynamo_marked_constant
+        else:
+            logging.getLogger._dynamo_marked_constant = marked
+
+
+def capturing(compiled: Callable) -> Callable:
+    """`compiled` with logging ignored while Dynamo traces and graph breaks as CaptureError."""
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        try:
+            with logging_ignored():
+                return compiled(*args, **kwargs)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            raise from_dynamo(e) from e
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, CaptureError):  # raised by check_static_sizes in our backend
+                raise inner from None
+            raise
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# graph breaks
+
+_PRINT_FIX = ("remove the print, or move it outside forward (print what the step returns after the call); "
+              "optsched captures the step as one graph and print cannot be part of one")
+_BRANCH_FIX = ("compute both sides and select with torch.where(cond, a, b) (or torch.clamp / masked_fill), "
+               "or move the branch out of forward: decide it before the call and pass the decision in as a "
+               "Python value")
+_TO_PYTHON_FIX = ("keep the values as a tensor and use tensor ops (indexing, torch.where, arithmetic), "
+                  "or do this outside forward on the returned tensors")
+_LOGGING_FIX = ("optsched drops logging.Logger methods, logging.* and warnings.warn during capture; this "
+                "call is not one of them: move it outside forward")
+_GENERIC_FIX = "move this out of forward, or rewrite it with torch operations"
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ours(filename: str) -> bool:
+    """A frame of optsched itself (the trampoline around the user's call), not the user's code."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def _user_frames(e: BaseException) -> list:
+    """The user's stack at the break, innermost last, without optsched's own frames (the trampoline)."""
+    stack = list(getattr(e, "real_stack", None) or [])
+    if not stack and getattr(e, "innermost_user_frame_summary", None) is not None:
+        stack = [e.innermost_user_frame_summary]
+    return [f for f in stack if not _ours(f.filename)]
+
+
+def _reason(e: BaseException) -> str:
+    """Dynamo's own account: its message up to the stack it appends."""
+    text = str(e)
+    text = re.sub(r"\n *Developer debug context:[^\n]*", "", text)
+    for cut in ("\n\nfrom user code:", "\nfrom user code:", "\n\nUser Stack", "\nFor C++ stack trace",
+                "\nFor more information, run with", "\n\nSet TORCHDYNAMO_VERBOSE"):
+        text = text.split(cut)[0]
+    return text.strip()
+
+
+def _classify(e: BaseException, line: str) -> tuple[str, str]:
+    """(construct, fix) for a Dynamo exception raised at source line `line`."""
+    gb = getattr(e, "gb_type", "") or ""
+    text = str(e)
+    if "`print`" in text or re.search(r"\bprint\s*\(", line):
+        return "print(...)", _PRINT_FIX
+    if "logging" in gb or "_warnings" in text or "logging.Logger" in text:
+        return "a logging call", _LOGGING_FIX
+    if "tolist" in gb or ".tolist()" in line:
+        return ".tolist() (a tensor's values as Python numbers)", _TO_PYTHON_FIX
+    if "numpy" in gb.lower() or ".numpy()" in line:
+        return ".numpy() (a tensor's values as a NumPy array)", _TO_PYTHON_FIX
+    if gb == "Data-dependent branching":
+        return f"a Python branch on a tensor's value (`{line}`)", _BRANCH_FIX
+    if isinstance(e, torch._dynamo.exc.UserError) and "data-dependent" in text:
+        m = re.search(r"data-dependent expression (.+?) \(", text)
+        expr = f" (Dynamo needs the value of {m.group(1)})" if m else ""
+        if ".item()" in line:
+            what = "a Python decision on .item()"
+        elif re.search(r"\b(int|float|bool)\s*\(", line):
+            what = "a Python decision on a tensor converted to a Python number"
+        else:
+            what = "Python control flow on a tensor's value"
+        return what + expr, _BRANCH_FIX
+    if gb == "Attempted to call function marked as skipped":
+        m = re.search(r"qualname: (\S+?),", text) or re.search(r"`([\w.]+)`", text)
+        name = m.group(1) if m else "a function"
+        return f"a call to {name}, which torch.compile does not trace", _GENERIC_FIX
+    return gb or type(e).__name__, _GENERIC_FIX
+
+
+def from_dynamo(e: BaseException) -> CaptureError:
+    """A CaptureError for a Dynamo graph break (Unsupported, UserError): where, what, how to fix it."""
+    frames = _user_frames(e)
+    where = frames[-1] if frames else None
+    line = (where.line or "").strip() if where is not None else ""
+    construct, fix = _classify(e, line)
+    reason = _reason(e)
+    head = "optsched cannot capture the step as one graph"
+    at = f"{where.filename}:{where.lineno} in {where.name}" if where is not None else "an unknown place"
+    parts = [f"{head}: {construct} at {at}"]
+    if line:
+        parts.append(f"    {line}")
+    if len(frames) > 1:
+        parts.append("called from:\n" + "\n".join(f"    {f.filename}:{f.lineno} in {f.name}" for f in frames[-2::-1]))
+    parts.append(f"Fix: {fix}.")
+    parts.append("Dynamo's reason: " + reason.replace("\n", "\n    "))
+    return CaptureError("\n".join(parts), filename=where.filename if where else None,
+                        lineno=where.lineno if where else None, construct=construct, fix=fix, reason=reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# data-dependent sizes
+
+_MASK_FIX = ("keep the shape fixed: torch.where(mask, x, 0) or x.masked_fill(~mask, 0), then reduce "
+             "(e.g. (x * mask).sum() / mask.sum() for a masked mean), or use a fixed-size op "
+             "(topk, sort, gather with a fixed count)")
+_SIZE_FROM_VALUE_FIX = ("use a size known before the call (a Python int argument, a tensor's .shape, a config "
+                        "value), not one read from a tensor's values")
+
+_SIZE_OPS = {  # op name (Dynamo's torch function / method or ATen packet) -> construct
+    "nonzero": "torch.nonzero / argwhere", "argwhere": "torch.nonzero / argwhere",
+    "masked_select": "torch.masked_select", "unique": "unique", "_unique2": "unique",
+    "unique_consecutive": "unique_consecutive", "repeat_interleave": "repeat_interleave with tensor repeats",
+    "index": "boolean-mask indexing x[mask]", "getitem": "boolean-mask indexing x[mask]",
+    "item": "a size taken from .item()", "_local_scalar_dense": "a size taken from .item()",
+    "tolist": "a size taken from .tolist()",
+}
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    if isinstance(t, str):
+        return t
+    packet = getattr(t, "overloadpacket", None)
+    return getattr(packet, "__name__", None) or getattr(t, "__name__", str(t))
+
+
+def _value(node: fx.Node):
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _source(node: fx.Node) -> tuple[str | None, int | None, str]:
+    """(file, line, code) of the innermost frame of `node.meta['stack_trace']`."""
+    trace = node.meta.get("stack_trace") or ""
+    found = list(re.finditer(r'File "([^"]+)", line (\d+), in [^\n]*\n([^\n]*)', trace))
+    found = [m for m in found if not _ours(m.group(1))] or found
+    if not found:
+        return None, None, ""
+    m = found[-1]
+    return m.group(1), int(m.group(2)), m.group(3).strip()
+
+
+def check_static_sizes(gm: fx.GraphModule) -> None:
+    """Raise CaptureError at the first value whose size depends on tensor data (unbacked symbols):
+    planning needs every tensor's size when the step is captured."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    binders: dict = {}  # unbacked symbol -> the node that made it
+    for node in gm.graph.nodes:
+        for sym in (node.meta.get("unbacked_bindings") or {}):
+            binders.setdefault(sym, node)
+        tensors = [v for v in tree_leaves(_value(node)) if isinstance(v, torch.Tensor)]
+        symbols = set().union(*(free_unbacked_symbols(t) for t in tensors)) if tensors else set()
+        if not symbols:
+            continue
+        origin = next((binders[s] for s in sorted(symbols, key=str) if s in binders), node)
+        op = _op_name(origin)
+        construct = _SIZE_OPS.get(op, f"{op} (its output size depends on tensor values)")
+        filename, lineno, code = _source(origin)
+        if filename is None:
+            filename, lineno, code = _source(node)
+        from_value = op in ("item", "_local_scalar_dense", "tolist")
+        if from_value and ".tolist()" in code:  # Dynamo traces an int tensor's tolist() as item()
+            construct = _SIZE_OPS["tolist"]
+        fix = _SIZE_FROM_VALUE_FIX if from_value else _MASK_FIX
+        at = f"{filename}:{lineno}" if filename else f"graph node {node.name}"
+        raise CaptureError(
+            f"optsched cannot plan a step whose tensor sizes depend on tensor values: {construct} at {at}"
+            + (f"\n    {code}" if code else "")
+            + f"\nnode {node.name} has size {tuple(tensors[0].shape)}; optsched plans memory for sizes known "
+            f"when the step is captured.\nFix: {fix}.",
+            filename=filename, lineno=lineno, construct=construct, fix=fix,
+            reason=f"unbacked symbols {sorted(map(str, symbols))} in the size of {node.name}",
+        )

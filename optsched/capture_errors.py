@@ -57,20 +57,23 @@ def _is_emitter(name: str) -> bool:
     return name == "isEnabledFor" or any(name == lv or name.startswith(lv + "_") for lv in _LEVEL_NAMES)
 
 
-def ignored_logging_functions() -> set[Callable]:
-    """What Dynamo should treat as a no-op while tracing: computed at each call, so helpers a
+_cache: dict[tuple, frozenset] = {}
+
+
+def ignored_logging_functions() -> frozenset[Callable]:
+    """What Dynamo should treat as a no-op while tracing: looked up at each call, so helpers a
     library attaches to `logging.Logger` after `optimize()` (transformers on import) are covered."""
-    out: set[Callable] = set()
-    for name in dir(logging.Logger):
-        attr = getattr(logging.Logger, name, None)
-        if _is_emitter(name) and callable(attr):
-            out.add(attr)
-    for name in _LEVEL_NAMES:  # logging.warning(...) and friends: module-level functions on the root logger
-        fn = getattr(logging, name, None)
-        if callable(fn):
-            out.add(fn)
-    out.update((warnings.warn, warnings.warn_explicit))
-    return out
+    module_functions = tuple(getattr(logging, n, None) for n in _LEVEL_NAMES)
+    key = (tuple(map(id, vars(logging.Logger).values())), tuple(map(id, module_functions)),
+           id(warnings.warn), id(warnings.warn_explicit))
+    found = _cache.get(key)
+    if found is None:
+        out = {attr for name, attr in vars(logging.Logger).items() if _is_emitter(name) and callable(attr)}
+        out.update(fn for fn in module_functions if callable(fn))  # logging.warning(...): the root logger
+        out.update((warnings.warn, warnings.warn_explicit))
+        _cache.clear()
+        found = _cache[key] = frozenset(out)
+    return found
 
 
 @contextlib.contextmanager
@@ -79,13 +82,15 @@ def logging_ignored():
     and the set is back as it was afterwards), and `logging.getLogger` evaluated while tracing (as
     `torch._dynamo.assume_constant_result` does, for this call only), so that
     `logging.getLogger(name).info(...)` in traced code reaches a logger whose methods are ignored."""
-    config = torch._dynamo.config
+    config = torch._dynamo.config  # set and restored directly: what config.patch does, at a quarter of its cost
+    users = config.ignore_logging_functions
     marked = getattr(logging.getLogger, "_dynamo_marked_constant", None)
+    config.ignore_logging_functions = users | ignored_logging_functions()
     logging.getLogger._dynamo_marked_constant = True
     try:
-        with config.patch(ignore_logging_functions=set(config.ignore_logging_functions) | ignored_logging_functions()):
-            yield
+        yield
     finally:
+        config.ignore_logging_functions = users
         if marked is None:
             del logging.getLogger._dynamo_marked_constant
         else:

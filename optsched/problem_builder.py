@@ -11,6 +11,7 @@ import torch.fx as fx
 from .costs import DeviceProfile, NodeCosts, node_time
 from .joint_graph import JointGraph
 from .op_variants import inplace_foreach, out_variant
+from .output_usage import OutputUsage, tangent_outputs
 from .solvers.problem import Op, Phase, Problem, Tensor, TensorKind
 
 _SDPA = {
@@ -237,6 +238,7 @@ def build_problem(
     measured: NodeCosts | None = None,
     offload: bool = False,
     host_budget_bytes: int | None = None,
+    usage: OutputUsage | None = None,
 ) -> Built:
     """Ops in program order (forward, then backward).
 
@@ -245,9 +247,16 @@ def build_problem(
     roofline, scratch space is unknown (0) and no op writes into its inputs, since
     nothing verified that its out= form does so without a temporary.
     `offload`: activations may go to host memory at the profile's host bandwidth.
+    `usage`: which forward outputs the caller differentiates and holds through the backward
+    (training only; None: all of them, as the program alone would suggest).
     """
-    movable = offloadable_storages(jg)
-    tensors = [Tensor(s.index, s.node.name, s.nbytes, s.kind, offloadable=s.index in movable) for s in jg.storages]
+    held, returned = caller_outputs(jg, usage)
+    movable = offloadable_storages(jg) - returned  # the caller holds those until the forward ends
+    tangent_bytes = _tangent_bytes(jg, usage)
+    tensors = [
+        Tensor(s.index, s.node.name, tangent_bytes.get(s.index, s.nbytes), s.kind, offloadable=s.index in movable)
+        for s in jg.storages
+    ]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
     order = [n for n in jg.compute if jg.phase[n] is Phase.FW] + [n for n in jg.compute if jg.phase[n] is Phase.BW]
@@ -272,13 +281,54 @@ def build_problem(
             )
         )
         nodes.append(node)
-    outputs = set()
-    for o in jg.fw_outputs + jg.bw_outputs:
-        if isinstance(o, fx.Node):
-            outputs.update(jg.node_storages(o))
     ops, tensors = order_writes(jg, nodes, ops, tensors)
+    caller = caller_loss_bytes(jg, usage)
+    if caller:
+        tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False)]
     problem = Problem(
-        ops, tensors, frozenset(outputs), name=name,
+        ops, tensors, frozenset(held), returned=frozenset(returned), name=name,
         host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,
     )
     return Built(problem, nodes)
+
+
+def caller_outputs(jg: JointGraph, usage: OutputUsage | None) -> tuple[set[int], set[int]]:
+    """Storages the caller holds to the end of the step (gradients, and forward outputs it keeps
+    through the backward), and forward outputs it drops once the forward returns."""
+    held: set[int] = set()
+    returned: set[int] = set()
+    for i, o in enumerate(jg.fw_outputs):
+        if isinstance(o, fx.Node):
+            keep = usage is None or i >= len(usage.held) or usage.held[i]
+            (held if keep else returned).update(jg.node_storages(o))
+    for o in jg.bw_outputs:
+        if isinstance(o, fx.Node):
+            held.update(jg.node_storages(o))
+    return held, returned - held
+
+
+def _tangent_bytes(jg: JointGraph, usage: OutputUsage | None) -> dict[int, int]:
+    """A tangent of an output no gradient flows into is a zero broadcast from one element
+    (`output_usage.fill_missing_tangents`): it takes one element's bytes."""
+    if usage is None:
+        return {}
+    out = {}
+    for t, i in zip(jg.tangents, tangent_outputs(jg.gm, jg.tangents)):
+        v = t.meta.get("val")
+        if i is not None and i < len(usage.grad) and not usage.grad[i] and isinstance(v, torch.Tensor) and t in jg.storage_of:
+            out[jg.storage_of[t]] = v.element_size()
+    return out
+
+
+def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None) -> int:
+    """An estimate of what the caller holds between our forward and backward while it computes a loss
+    from non-scalar outputs it differentiates (one intermediate of each one's size: cross-entropy's
+    log-softmax, a difference for a squared error). A loss computed inside the model costs nothing here."""
+    if usage is None or not jg.is_training:
+        return 0
+    total = 0
+    for i, o in enumerate(jg.fw_outputs):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
+            total += v.numel() * v.element_size()
+    return total

@@ -33,7 +33,7 @@ def internal_tensors(problem: Problem, group: list[int]) -> set[int]:
     inside = set(group)
     made = {t for o in group for t in problem.ops[o].outputs}
     readers = problem.consumers()
-    return {t for t in made if t not in problem.outputs and readers[t] and all(r in inside for r in readers[t])}
+    return {t for t in made if t not in problem.visible and readers[t] and all(r in inside for r in readers[t])}
 
 
 def check_group(problem: Problem, group: list[int]) -> None:
@@ -102,7 +102,7 @@ def fuse_ops(problem: Problem, groups: list[list[int]], times: list[float]) -> F
             time_s=times[group_of[unit[0]]],
             recomputable=all(m.recomputable for m in members),
         ))
-    fused = Problem(ops, tensors, problem.outputs, name=problem.name,
+    fused = Problem(ops, tensors, problem.outputs, returned=problem.returned, name=problem.name,
                     host_bw=problem.host_bw, host_budget_bytes=problem.host_budget_bytes)
     return Fused(fused, units, internal)
 
@@ -149,7 +149,7 @@ def find_chains(problem: Problem, fusible: list[bool]) -> list[list[int]]:
                 and problem.ops[p].phase is op.phase
                 and problem.ops[p].outputs == (t,)
                 and readers[t] == [op.id]
-                and t not in problem.outputs
+                and t not in problem.visible
             ):
                 joined = c
                 break
@@ -174,7 +174,7 @@ def find_groups(problem: Problem, fusible: list[bool]) -> list[list[int]]:
     fanned: list[tuple[int, list[int]]] = []
     for t in problem.tensors:
         p, rs = t.producer, readers[t.id]
-        if p is None or not fusible[p] or t.id in problem.outputs or not rs:
+        if p is None or not fusible[p] or t.id in problem.visible or not rs:
             continue
         if not all(fusible[r] and problem.ops[r].phase is problem.ops[p].phase for r in rs):
             continue

@@ -51,7 +51,7 @@ def greedy_forward_order(problem: Problem) -> list[int]:
         t.id
         for t in problem.tensors
         if t.kind is TensorKind.ACTIVATION
-        and t.id not in problem.outputs
+        and t.id not in problem.visible
         and not (readers[t.id] - fw_ids)  # read in the backward: stays anyway
     }
     deps = {o.id: {problem.tensors[t].producer for t in o.inputs} & fw_ids for o in fw}

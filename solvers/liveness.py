@@ -67,6 +67,9 @@ class OrderedProblem:
         if t.kind is TensorKind.TANGENT:  # held by the autograd engine through the whole backward
             self._add_static(t.bytes, F, T - 1)
             return
+        if t.kind is TensorKind.CALLER:  # the caller's loss, as the backward starts
+            self._add_static(t.bytes, F, min(F, T - 1))
+            return
         start = self.pos[t.producer]
         if p.ops[t.producer].phase is Phase.BW:
             end = T - 1 if t.id in p.outputs else max([start] + [self.pos[b] for b in self.bw_readers[t.id]])
@@ -75,11 +78,13 @@ class OrderedProblem:
             self._add_static(t.bytes, start, end)
             return
         fw_last = max([start] + [self.pos[c] for c in self.fw_readers[t.id]])
+        if t.id in p.returned:  # the caller holds it until the forward returns
+            fw_last = max(fw_last, F - 1)
         if t.id in p.outputs:
             self._add_static(t.bytes, start, T - 1)
             return
         # optimistic: its last forward reader may write into it, as the simulator lets it when it is not saved
-        reused = self.optimistic and fw_last > start and self._fw_reuses(fw_last, t.id)
+        reused = self.optimistic and fw_last > start and t.id not in p.returned and self._fw_reuses(fw_last, t.id)
         self._add_static(t.bytes, start, fw_last - 1 if reused else fw_last)
         direct = sorted(self.pos[b] for b in self.bw_readers[t.id])
         rc_readers = [c for c in self.fw_readers[t.id] if c in cand]
@@ -100,7 +105,7 @@ class OrderedProblem:
                 continue
             for _out, inp in self.p.ops[r].reuse:
                 src = self.p.tensors[inp]
-                if src.kind is not TensorKind.ACTIVATION or inp in self.p.outputs:
+                if src.kind is not TensorKind.ACTIVATION or inp in self.p.visible:
                     continue
                 if src.producer is None or self.p.ops[src.producer].phase is not Phase.BW:
                     return self.optimistic  # depends on decisions

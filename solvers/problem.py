@@ -21,6 +21,9 @@ class TensorKind(str, Enum):
     INPUT = "input"  # parameters, buffers, user inputs: held by the caller all step
     TANGENT = "tangent"  # gradient seeds handed to the backward
     ACTIVATION = "activation"  # allocated by an op of this step
+    # what the caller allocates between forward and backward (its loss on the outputs): live as the
+    # backward starts, gone after its first step
+    CALLER = "caller"
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,23 @@ class Problem:
     ops: list[Op]
     tensors: list[Tensor]
     outputs: frozenset[int] = frozenset()  # tensor ids returned by the step: live to its end
+    # forward results handed to a caller that drops them once the forward returns: live at least to the
+    # forward's end (and on, while the backward reads them)
+    returned: frozenset[int] = frozenset()
     name: str = "step"
     host_bw: float = 0.0  # bytes/s of host<->device copies; 0: no offloading
     host_budget_bytes: int | None = None  # host memory offloaded activations may take; None: unlimited
 
     def __post_init__(self) -> None:
         self.outputs = frozenset(self.outputs)
+        self.returned = frozenset(self.returned) - self.outputs
         self.validate()
+
+    @property
+    def visible(self) -> frozenset[int]:
+        """Tensors someone outside the step holds (outputs, and forward results until the forward ends):
+        never hidden inside a fusion group, never written over by another op."""
+        return self.outputs | self.returned
 
     @property
     def fw_ops(self) -> list[Op]:

@@ -4,7 +4,8 @@ Memory convention (matches an allocator that frees at last use): at step k the l
 bytes are every storage produced at or before k and read at or after k. An op's
 inputs and outputs are therefore live together while it runs; a storage nobody
 reads lives only during the step that makes it. Inputs live all step, outputs of
-the step live to its end, tangents from the start of the backward.
+the step live to its end, forward results the caller drops after the forward
+(`Problem.returned`) at least to the forward's end, tangents from the start of the backward.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
             span[(t.id, False)] = [0, last]
         elif t.kind is TensorKind.TANGENT:  # the autograd engine holds the seed through the whole backward
             span[(t.id, False)] = [n_fw, last]
+        elif t.kind is TensorKind.CALLER and len(steps) > n_fw:
+            span[(t.id, False)] = [n_fw, n_fw]
     recompute_pos: dict[int, int] = {}
     reads: list[list[tuple[int, bool]]] = []
     time_s = 0.0
@@ -107,6 +110,9 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     for t in problem.outputs:
         if (t, False) in span:
             span[(t, False)][1] = last
+    for t in problem.returned:
+        if (t, False) in span:
+            span[(t, False)][1] = max(span[(t, False)][1], n_fw - 1)
     saved = sorted(
         t
         for (t, rc), (s, e) in span.items()
@@ -184,7 +190,7 @@ def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, spa
             t = problem.tensors[inp]
             key = (inp, k >= n_fw and t.producer in recomputed_before)
             s, e = span[key]
-            if t.kind is TensorKind.ACTIVATION and inp not in problem.outputs and e == k and s < k:
+            if t.kind is TensorKind.ACTIVATION and inp not in problem.visible and e == k and s < k:
                 dying.append((inp, key))
                 if not op.reuse_all:
                     break

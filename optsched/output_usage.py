@@ -1,0 +1,140 @@
+"""What the caller does with a training step's outputs, which decides memory the program cannot see.
+
+AOTAutograd runs the model as one autograd function. Two things about its outputs are up to the
+caller, not the model:
+
+- **whether a gradient flows into an output.** `model(ids, labels=ids).loss.backward()` uses the
+  loss only; logits and key/value caches get no gradient. By default the autograd engine then
+  hands the backward a full-size tensor of zeros per such output (10-24% of a small LM's peak);
+  eager autograd never makes it. We turn that off (`release_unused_grads`) and give the backward
+  a zero broadcast from one element instead (`fill_missing_tangents`): same values, no memory.
+- **how long the caller holds an output.** `out = model(x); loss_fn(out, y).backward()` keeps `out`
+  through the backward; `loss_fn(model(x), y).backward()` drops it as soon as the loss is made.
+
+The plan is made on a guess (`default_usage`): only scalar outputs get gradients when there is a
+differentiable scalar (a loss), every differentiable output otherwise; outputs that get gradients
+are held through the backward, the others dropped after the forward. Each backward observes what
+the caller really did (`UsageObserver`); when that differs from the plan's guess, the next call
+plans again with the observed usage, so from the second step on the plan follows the caller.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+
+@dataclass(frozen=True)
+class OutputUsage:
+    """Per forward output of the captured program (AOTAutograd's order)."""
+
+    grad: tuple[bool, ...]  # a gradient flows into it in the backward
+    held: tuple[bool, ...]  # the caller still holds it when the backward starts
+
+    def describe(self) -> str:
+        return ",".join(("g" if g else "-") + ("h" if h else "-") for g, h in zip(self.grad, self.held))
+
+    @classmethod
+    def parse(cls, text: str) -> OutputUsage:
+        parts = [p for p in text.split(",") if p]
+        return cls(tuple(p[0] == "g" for p in parts), tuple(p[1] == "h" for p in parts))
+
+
+def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int | None]:
+    """For each tangent placeholder, the index of the forward output it is the gradient of
+    (None for a tangent of something else, e.g. a mutated input)."""
+    out = []
+    for t in tangents:
+        desc = t.meta.get("desc")
+        idx = getattr(getattr(desc, "output", None), "idx", None)
+        out.append(idx if isinstance(idx, int) and type(desc.output).__name__ == "PlainAOTOutput" else None)
+    return out
+
+
+def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage:
+    """The plan's guess before any backward was seen (see the module docstring)."""
+    n = len(fw_outputs)
+    differentiable = {i for i in tangent_of if i is not None}
+
+    def is_scalar(i: int) -> bool:
+        v = fw_outputs[i].meta.get("val") if isinstance(fw_outputs[i], fx.Node) else None
+        return isinstance(v, torch.Tensor) and v.dim() == 0
+
+    scalars = {i for i in differentiable if is_scalar(i)}
+    grad = tuple(i in (scalars or differentiable) for i in range(n))
+    return OutputUsage(grad, grad)
+
+
+class UsageObserver:
+    """Watches one compiled program's outputs between its forward and its backward.
+
+    `forward_done` keeps weak references to the tensors the forward returned; `backward_start`
+    reads which tangents arrived and which outputs are still alive, and reports a usage that
+    differs from the plan's through `on_change` (once per program: the next call re-plans)."""
+
+    def __init__(self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage], None] | None):
+        self.planned = planned
+        self.tangent_of = tangent_of
+        self.on_change = on_change
+        self.refs: list[weakref.ref | None] = []
+        self.reported = False
+        self.n_outputs = len(planned.grad)
+
+    def forward_done(self, outputs: list, n_fw_outputs: int) -> None:
+        self.refs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outputs[:n_fw_outputs]]
+
+    def backward_start(self, tangents: list) -> None:
+        if self.reported or self.on_change is None or not self.refs:
+            return
+        grad = [False] * len(self.planned.grad)
+        for t, i in zip(tangents, self.tangent_of):
+            if i is not None and t is not None:
+                grad[i] = True
+        held = [r is not None and r() is not None for r in self.refs]
+        held += [False] * (len(grad) - len(held))
+        seen = OutputUsage(tuple(grad), tuple(held[: len(grad)]))
+        if seen != self.planned:
+            self.reported = True
+            self.on_change(seen)
+
+
+def release_unused_grads(outputs) -> None:
+    """Let the compiled backward receive None for outputs no gradient flowed into (instead of the
+    full-size zeros autograd makes by default). Call on what an optimized call returned."""
+    seen: set[int] = set()
+    for t in pytree.tree_leaves(outputs):
+        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+            continue
+        stack = [t.grad_fn]
+        for _ in range(4):  # the compiled function's node, or the view node AOTAutograd put on top of it
+            if not stack:
+                break
+            node = stack.pop()
+            if id(node) in seen:
+                break
+            seen.add(id(node))
+            if type(node).__name__ == "CompiledFunctionBackward":
+                node.set_materialize_grads(False)
+                break
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]]) -> list:
+    """Tangents that arrived as None (no gradient flowed into that output) become zeros broadcast
+    from one element: the values autograd would have made, without their memory."""
+    tangents = []
+    for i, meta in positions:
+        tangents.append(args[i])
+        if args[i] is None:
+            args[i] = torch.zeros((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+    return tangents
+
+
+__all__ = [
+    "OutputUsage", "UsageObserver", "default_usage", "fill_missing_tangents", "release_unused_grads", "tangent_outputs",
+]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from .cpsat_common import NS, cost_ns, make_solver, memory_unit
+from .cpsat_common import NS, cost_ns, make_solver, memory_unit, run_solver
 from .liveness import OrderedProblem
 from .problem import Problem
 
@@ -191,7 +191,7 @@ def solve_bound_and_repair(
         solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers)
         solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS) if on_solution else None
-        status = solver.Solve(m, cb) if cb else solver.Solve(m)
+        status = run_solver(solver, m, cb)
         if rounds == 1:
             status0 = solver.StatusName(status)
             if status == cp_model.INFEASIBLE:

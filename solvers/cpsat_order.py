@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from .cpsat_common import make_solver, memory_unit
+from .cpsat_common import make_solver, memory_unit, run_solver
 from .problem import Problem, TensorKind
 
 
@@ -66,7 +66,7 @@ def solve_order(
         for k, o in enumerate(hint):
             m.AddHint(pos[o], k)
     solver = make_solver(time_limit_s, workers)
-    status = solver.Solve(m)
+    status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     order = sorted(pos, key=lambda o: solver.Value(pos[o]))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from .cpsat_common import NS, cost_ns, make_solver, memory_unit
+from .cpsat_common import NS, cost_ns, make_solver, memory_unit, run_solver
 from .liveness import Activation, OrderedProblem
 from .problem import Problem
 
@@ -180,7 +180,7 @@ def solve_remat(
         for o, v in model.r.items():
             model.m.AddHint(v, o in hint)
     solver = _solver(time_limit_s * (0.7 if minimize_peak_after else 1.0), workers)
-    status = solver.Solve(model.m)
+    status = run_solver(solver, model.m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None if status != cp_model.INFEASIBLE else RematResult(set(), "INFEASIBLE", math.inf, math.inf, 0, time.perf_counter() - t0)
     chosen = {o for o, v in model.r.items() if solver.Value(v)}
@@ -197,7 +197,7 @@ def solve_remat(
             model.m.AddHint(v, o in chosen)
         model.m.Minimize(peak)
         solver2 = _solver(remaining, workers)
-        status2 = solver2.Solve(model.m)
+        status2 = run_solver(solver2, model.m)
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             chosen = {o for o, v in model.r.items() if solver2.Value(v)}
             peak_units = solver2.Value(peak)
@@ -221,7 +221,7 @@ def min_peak_remat(
     peak = model.constrain_peak(None)
     model.m.Minimize(peak)
     solver = _solver(time_limit_s, workers)
-    status = solver.Solve(model.m)
+    status = run_solver(solver, model.m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     chosen = {o for o, v in model.r.items() if solver.Value(v)}

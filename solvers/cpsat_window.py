@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from .cpsat_common import make_solver, memory_unit
+from .cpsat_common import make_solver, memory_unit, run_solver
 from .problem import Problem, TensorKind
 from .simulator import SimResult
 
@@ -55,7 +55,7 @@ def reorder_window(
             continue
         start = pos[producer_at[key]] if made_inside else 0
         t = problem.tensors[key[0]]
-        pinned = t.kind is not TensorKind.ACTIVATION or (t.id in problem.outputs and not key[1])
+        pinned = t.kind is not TensorKind.ACTIVATION or (t.id in problem.visible and not key[1])
         if pinned:  # inputs, tangents and outputs live to a fixed step, whatever the order
             ends = [m.NewConstant(min(n, e - a + 1))]
         else:
@@ -75,7 +75,7 @@ def reorder_window(
     for i in range(n):
         m.AddHint(pos[i], i)
     solver = make_solver(time_limit_s, workers)
-    status = solver.Solve(m)
+    status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     order = sorted(range(n), key=lambda i: solver.Value(pos[i]))

@@ -1,0 +1,177 @@
+"""Ctrl-C while planning: a KeyboardInterrupt, promptly, and no plan written.
+
+CP-SAT catches SIGINT itself by default and ends its search as if time were up, which
+turned a Ctrl-C into a cut-short plan (saved, then reused). Every solve goes through
+`cpsat_common.run_solver`, which leaves SIGINT to Python and stops the search.
+
+SIGINT is sent to this very process (os.kill from a thread) only while a solve is running:
+the thread waits for the solver's worker thread (`SOLVER_THREAD`) and never fires after the
+test has ended, so a slow machine makes a test fail, never the session.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from optsched.solvers import cpsat_common
+from optsched.solvers.cpsat_common import SOLVER_THREAD
+from optsched.solvers.cpsat_remat import solve_remat
+from optsched.solvers.problem import default_schedule
+from optsched.solvers.simulator import simulate
+from optsched.solvers.synthetic import chain_training_problem
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _solving() -> bool:
+    return any(t.name == SOLVER_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+class _CtrlC:
+    """Sends SIGINT to this process while a solve runs, `delay_s` after it is first seen.
+    `sent_at`: perf_counter of the kill, None if it was never sent."""
+
+    def __init__(self, delay_s: float, wait_s: float = 120.0):
+        self.delay_s, self.wait_s = delay_s, wait_s
+        self.sent_at: float | None = None
+        self._cancel = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            while not _solving():
+                if self._cancel.wait(0.005) or time.monotonic() > deadline:
+                    return
+            if self._cancel.wait(self.delay_s):
+                return
+            if _solving():  # else that solve ended meanwhile: wait for the next one
+                self.sent_at = time.perf_counter()
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    def __enter__(self) -> _CtrlC:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cancel.set()
+        self._thread.join()
+
+
+def _long_remat():
+    """A solve CP-SAT does not finish in 30 s: 80 layers at 40% of the unplanned peak."""
+    problem = chain_training_problem(n_layers=80)
+    order = default_schedule(problem)
+    budget = int(0.4 * simulate(problem, order).peak_bytes)
+    return lambda: solve_remat(problem, order.fw_order, order.bw_order, budget, time_limit_s=30, workers=2)
+
+
+def test_sigint_during_a_long_solve_raises_keyboard_interrupt_promptly():
+    solve = _long_remat()
+    with _CtrlC(delay_s=0.5) as ctrl_c, pytest.raises(KeyboardInterrupt):
+        solve()
+    stopped = time.perf_counter()
+    assert ctrl_c.sent_at is not None
+    assert stopped - ctrl_c.sent_at < 1.0, f"the solve went on {stopped - ctrl_c.sent_at:.2f}s after Ctrl-C"
+    assert not _solving(), "a solver thread outlived the interrupted call"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_solve_that_is_not_interrupted_returns_its_result():
+    problem = chain_training_problem(n_layers=6)
+    order = default_schedule(problem)
+    budget = int(0.7 * simulate(problem, order).peak_bytes)
+    res = solve_remat(problem, order.fw_order, order.bw_order, budget, time_limit_s=5, workers=2)
+    assert res is not None and res.status == "OPTIMAL"
+    assert not _solving()
+
+
+def test_every_cp_sat_solve_goes_through_run_solver():
+    """A direct `solver.Solve(...)` would let CP-SAT catch Ctrl-C again."""
+    folder = Path(cpsat_common.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "cpsat_common.py":
+            continue
+        text = path.read_text()
+        assert not re.search(r"\.(Solve|solve|SolveWithSolutionCallback|SearchForAllSolutions)\(\s*(model|m\b)", text), (
+            f"{path.name} calls CP-SAT's Solve directly; use cpsat_common.run_solver"
+        )
+
+
+def test_optimize_interrupted_in_its_first_call_raises_and_writes_no_plan(tmp_path):
+    import optsched
+    from benchmarks.models import gpt
+
+    cfg = gpt.GPTConfig(n_layer=2)
+    model = gpt.build(cfg)
+    inputs = gpt.make_batch(cfg, batch_size=8)
+    path = tmp_path / "p.json"
+    opt = optsched.optimize(model, "50%", plan=path, time_limit_s=30, device_profile="h100", offload=False)
+    with _CtrlC(delay_s=0.2) as ctrl_c, pytest.raises(KeyboardInterrupt):
+        opt(*inputs)
+    stopped = time.perf_counter()
+    assert ctrl_c.sent_at is not None
+    assert stopped - ctrl_c.sent_at < 2.0
+    assert not path.exists() and list(tmp_path.iterdir()) == []  # no plan, no temporary file
+    assert opt.plan is None
+    assert not _solving()
+
+
+def _read_until(proc: subprocess.Popen, words: tuple[bytes, ...], timeout: float) -> bytes:
+    """Read proc's stderr until one of `words` appears (or it closes, or time runs out)."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while not any(w in got for w in words):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stderr], [], [], left)[0]:
+            break
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def test_cli_plan_interrupted_while_solving_exits_130_with_one_line(tmp_path):
+    out = tmp_path / "out.json"
+    # TTY_COMPATIBLE: rich draws the progress line into a pipe, so "planning N ops:" tells
+    # that solving has started (a fixed sleep would race the capture on a busy machine)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120", "TTY_COMPATIBLE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optsched.cli", "plan", "benchmarks.models.gpt:build", "--kwargs", '{"cfg": {"n_layer": 2}}',
+         "--inputs", "8x128:int64,8x128:int64", "--budget", "50%", "--no-offload", "--profile", "cpu",
+         "--time-limit", "60", "-o", str(out)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        err = _read_until(proc, (b" ops: ", b"Traceback", b"error:"), timeout=180)
+        assert b" ops: " in err, err.decode(errors="replace")[-3000:]
+        time.sleep(0.5)
+        assert proc.poll() is None, "the plan finished before it could be interrupted"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        err += _read_until(proc, (b"interrupted",), timeout=30)
+        said = time.monotonic() - sent
+        rest_out, rest_err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = (err + rest_err).decode(errors="replace")
+    assert proc.returncode == 130, text[-3000:]
+    assert said < 2.0, f"'interrupted' came {said:.2f}s after Ctrl-C"
+    assert "Traceback" not in text
+    assert text.count("optsched plan: interrupted") == 1
+    assert not out.exists() and not any(p.name.startswith(".out.json") for p in tmp_path.iterdir())
+    assert rest_out == b""  # no plan table: nothing was planned

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .costs import PROFILES, DeviceProfile
     from .offline import plan_offline
     from .plan import SUMMARY_KEYS, Plan
-    from .plan_file import PlanFile, PlanFileError, PlanMismatchError, load_plan
+    from .plan_file import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
     from .solvers import BudgetInfeasibleError
 
 __version__ = "0.1.0"
@@ -33,6 +33,8 @@ _LAZY = {
     "PlanFile": "plan_file",
     "PlanFileError": "plan_file",
     "PlanMismatchError": "plan_file",
+    "PlanFileWarning": "plan_file",
+    "PlanCacheWarning": "plan_file",
     "load_plan": "plan_file",
     "BudgetInfeasibleError": "solvers",
 }
@@ -47,6 +49,8 @@ __all__ = [
     "PlanFile",
     "PlanFileError",
     "PlanMismatchError",
+    "PlanFileWarning",
+    "PlanCacheWarning",
     "load_plan",
     "optimize",
     "parse_budget",

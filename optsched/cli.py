@@ -93,8 +93,10 @@ examples:
       --profile a100 --executor inductor --no-offload --time-limit 30
 
 exit status: 0 written; 1 no plan meets the budget (the lowest peak found and a proven
-lower bound are printed) or the model failed while being planned; 2 bad arguments
-(including a module that does not import or a factory it does not have).
+lower bound are printed), the model failed while being planned, or the plan could not be
+written after all; 2 bad arguments (including a module that does not import, a factory it
+does not have, or an output file that cannot be written: checked before planning);
+130 interrupted (Ctrl-C; nothing is written).
 """
 
 SHOW_DESCRIPTION = """\

@@ -17,7 +17,7 @@ import typing
 from .cli_args import CliError
 from .cli_render import print_show
 from .costs import PROFILES
-from .plan_file import load_plan
+from .plan_file import check_writable, load_plan
 
 
 def _dataclass_in(annotation):
@@ -103,6 +103,9 @@ def make_inputs(specs) -> tuple:
 
 
 def cmd_plan(args, parser) -> int:
+    unwritable = check_writable(args.output)  # before importing torch, capturing and solving, not after
+    if unwritable is not None:
+        raise CliError(f"cannot write the plan to {args.output}: {unwritable}", 2)
     from .offline import plan_offline
     from .solvers import BudgetInfeasibleError
 
@@ -134,7 +137,10 @@ def cmd_plan(args, parser) -> int:
         if args.traceback:
             raise
         raise CliError(f"planning failed: {type(e).__name__}: {e} (--traceback shows where)", 1) from None
-    out = plan.save(args.output)
+    try:
+        out = plan.save(args.output)
+    except OSError as e:  # writable when checked, not now (disk full, permissions changed)
+        raise CliError(f"planned, but cannot write the plan to {args.output}: {e.strerror or e}", 1) from None
     print(f"wrote {out}", file=sys.stderr)
     print_show(load_plan(out).data, out)
     return 0

@@ -292,6 +292,46 @@ def test_a_factory_that_is_not_there_is_one_line_listing_what_is(capsys):
     assert "cannot import module 'no_such_module_here'" in capsys.readouterr().err
 
 
+def _unwritable_outputs(tmp_path) -> list[Path]:
+    """Output paths no one can write, root included (chmod stops nothing for root): under a
+    regular file, a folder, and /proc."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    return [blocker / "out.json", blocker / "sub" / "out.json", tmp_path, Path("/proc/optsched-test/out.json")]
+
+
+def test_an_unwritable_output_is_exit_2_before_torch_is_imported(tmp_path):
+    for out in _unwritable_outputs(tmp_path):
+        result = _probe("plan", "benchmarks.models.gpt:build", "--inputs", "8x128:int64,8x128:int64", "-o", str(out),
+                        cwd=tmp_path)
+        assert result["rc"] == 2 and not result["torch"], (out, result)
+
+
+def test_an_unwritable_output_is_one_line(tmp_path, capsys):
+    for out, why in zip(_unwritable_outputs(tmp_path), ("a_file is a file", "a_file is a file", "is a folder", "/proc")):
+        assert main(["plan", "benchmarks.models.gpt:build", "--inputs", "8x128:int64", "-o", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"optsched plan: error: cannot write the plan to {out}: "), lines
+        assert why in lines[0], lines
+
+
+def test_a_save_that_fails_after_planning_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import optsched.plan
+
+    def disk_full(data, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(optsched.plan, "write_plan_file", disk_full)
+    out = tmp_path / "out.json"
+    assert main(["plan", "tests.models:mlp", "--inputs", "32x64", "--profile", "cpu", "--time-limit", "1",
+                 "--no-progress", "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"optsched plan: error: planned, but cannot write the plan to {out}: No space left on device", err
+    assert not out.exists()
+
+
 def test_input_specs_parse_shapes_and_dtypes():
     assert input_specs("8x128:int64, 8x128:long") == [((8, 128), "int64"), ((8, 128), "int64")]
     assert input_specs("4x3x32x32,4:int64,scalar:bf16") == [((4, 3, 32, 32), "float32"), ((4,), "int64"),

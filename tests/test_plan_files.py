@@ -147,3 +147,101 @@ def test_the_plan_cache_keys_plans_by_graph_budget_and_profile(tmp_path, monkeyp
 def test_bad_plan_arguments_are_value_errors(bad):
     with pytest.raises(ValueError):
         optsched.optimize(torch.nn.Linear(2, 2), None, **bad)
+
+
+# ----------------------------------------------------------------------------- unwritable places
+# We may run as root, where a read-only mode stops nothing: a folder under a regular *file*
+# (it cannot be created) and /proc are unwritable for root too. chmod is tried as well, and
+# used only where it actually stops a write.
+
+
+def _unwritable_folders(tmp_path: Path) -> list[Path]:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    folders = [blocker / "plans", blocker / "deeper" / "plans"]
+    if Path("/proc/self").is_dir():
+        folders.append(Path("/proc/optsched-test"))
+    locked = tmp_path / "read_only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        (locked / "probe").write_text("")
+    except OSError:
+        folders.append(locked)  # not root: chmod protects it
+    else:
+        (locked / "probe").unlink()
+    return folders
+
+
+def _mlp():
+    from tests.models import mlp
+
+    return mlp()
+
+
+def test_check_writable_probes_the_file_system_and_creates_nothing(tmp_path):
+    from optsched.plan_file import check_writable
+
+    assert check_writable(tmp_path / "p.json") is None
+    assert check_writable(tmp_path / "new" / "deeper" / "p.json") is None
+    assert not (tmp_path / "new").exists()
+    assert check_writable(tmp_path) == f"{tmp_path} is a folder"
+    folders = _unwritable_folders(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    for folder in folders:
+        reason = check_writable(folder / "p.json")
+        assert reason is not None and str(folder.parent if "a_file" in str(folder) else folder) in reason, (folder, reason)
+    assert "a_file is a file" in check_writable(folders[0] / "p.json")
+    assert sorted(tmp_path.rglob("*")) == before  # no probe left behind
+
+
+def test_an_unwritable_plan_path_is_a_plan_file_error_before_anything_is_planned(tmp_path):
+    model, _inputs = _mlp()
+    for folder in _unwritable_folders(tmp_path):
+        with pytest.raises(optsched.PlanFileError, match=r"cannot write plan file .*p\.json: "):
+            optsched.optimize(model, None, plan=folder / "p.json")
+    with pytest.raises(optsched.PlanFileError, match="is a folder"):
+        optsched.optimize(model, None, plan=tmp_path)
+
+
+def test_an_unwritable_plan_cache_warns_once_and_the_step_runs(tmp_path, monkeypatch):
+    import warnings
+
+    from optsched import plan_file
+
+    monkeypatch.setattr(plan_file, "_reported_caches", set())
+    cache = tmp_path / "a_file" / "cache"
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(cache))
+    model, inputs = _mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = optsched.optimize(model, None, plan="auto", time_limit_s=2)
+        opt(*inputs).backward()
+        again = optsched.optimize(model, None, plan="auto", example_inputs=inputs, time_limit_s=2)  # no second warning
+    ours = [w for w in caught if issubclass(w.category, optsched.PlanFileWarning)]
+    assert len(ours) == 1 and issubclass(ours[0].category, optsched.PlanCacheWarning), [str(w.message) for w in caught]
+    text = str(ours[0].message)
+    assert str(cache) in text and "OPTSCHED_CACHE_DIR" in text and "a_file is a file" in text
+    assert ours[0].filename == __file__  # points at the optimize() call
+    assert opt.plan is not None and again.plan is not None
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_save_that_fails_after_planning_warns_and_the_step_runs(tmp_path, monkeypatch):
+    import errno
+
+    import optsched.plan
+
+    def disk_full(data, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(optsched.plan, "write_plan_file", disk_full)
+    model, inputs = _mlp()
+    path = tmp_path / "p.json"
+    opt = optsched.optimize(model, None, plan=path, time_limit_s=2)
+    with pytest.warns(optsched.PlanFileWarning, match=r"could not save the plan to .*p\.json .*No space left"):
+        loss = opt(*inputs)
+    loss.backward()
+    assert opt.plan is not None and not path.exists()
+    assert all(p.grad is not None for p in model.parameters())

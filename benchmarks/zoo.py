@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"unknown case(s) {unknown}; see --list")
     budgets = [None if b.strip().lower() == "none" else float(b) for b in args.budgets.split(",")]
 
+    git = _git_state()
     t0 = time.perf_counter()
     results = []
     for name in names:
@@ -460,12 +461,26 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"vocab": VOCAB, "width": WIDTH, "layers": LAYERS, "heads": HEADS, "batch": BATCH, "seq": SEQ,
                    "budgets": budgets, "repeat": args.repeat, "time_limit_s": args.time_limit,
                    "torch": torch.__version__, "transformers": _transformers_version(),
-                   "threads": torch.get_num_threads(), "total_s": time.perf_counter() - t0},
+                   "threads": torch.get_num_threads(), "total_s": time.perf_counter() - t0, "git": git},
         "cases": results,
     }
     print(f"\nzoo: {len(results)} cases in {out['config']['total_s']:.0f} s")
     write_result(args.json, out)
     return out
+
+
+def _git_state() -> dict:
+    """The commit the zoo ran on and the core files that differed from it (other work in progress)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "optsched", "solvers"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {"commit": commit, "core_changes_uncommitted": [line[3:] for line in dirty]}
 
 
 def _transformers_version() -> str | None:

@@ -314,6 +314,7 @@ def run_budget(case: Case, step: ZooStep, eager: dict, eager_grads: dict, fracti
     budget = None if fraction is None else int(fraction * eager["measured_peak_bytes"])
     row: dict = {"fraction": fraction, "budget_bytes": budget}
     stage = "optimize"
+    t0 = time.perf_counter()
     try:
         opt = optsched.optimize(step.module, budget, time_limit_s=time_limit_s)
         call = step.call_with(opt)
@@ -352,7 +353,8 @@ def run_budget(case: Case, step: ZooStep, eager: dict, eager_grads: dict, fracti
                                        warmup=1, repeat=repeat)
             row["time_ratio"] = t / t_eager
     except optsched.BudgetInfeasibleError as e:
-        row.update({"infeasible": True, "lowest_peak_bytes": e.lowest_peak_bytes, "lower_bound_bytes": e.lower_bound_bytes})
+        row.update({"infeasible": True, "lowest_peak_bytes": e.lowest_peak_bytes, "lower_bound_bytes": e.lower_bound_bytes,
+                    "first_call_s": time.perf_counter() - t0})  # how long planning took to give up
     except Exception as e:  # noqa: BLE001 - the zoo reports every failure and goes on
         row["error"] = dict(_error(e), stage=stage)
         row["traceback"] = traceback.format_exc(limit=-3)

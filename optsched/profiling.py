@@ -15,10 +15,9 @@ import time
 import torch
 import torch.fx as fx
 from torch.autograd.profiler import record_function
-from torch.profiler import ProfilerActivity, profile
 
 from .costs import NodeCosts, random_like
-from .measure import _walk
+from .measure import _walk, memory_profile
 from .op_variants import inplace_foreach, out_variant
 
 _OP = "optsched::"
@@ -70,8 +69,12 @@ def profile_nodes(
         runner = _Runner(gm)
         for _ in range(repeat + 1):  # the first run warms caches and the allocator
             runner.run(*args)
+        # the interpreter keeps a run's outputs in its env until the next run starts: freed inside
+        # the profiled run, blocks the profiler never saw allocated (c10 warns "Memory block of
+        # unknown size was allocated before the profiling started")
+        runner.env.clear()
         labelled["on"] = True
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memory_profile() as prof:
             runner.run(*args)
     workspace, reuse_ok = _scratch(prof, reuse_inputs)
     return NodeCosts(times, workspace, reuse_ok)

@@ -57,23 +57,24 @@ def _is_emitter(name: str) -> bool:
     return name == "isEnabledFor" or any(name == lv or name.startswith(lv + "_") for lv in _LEVEL_NAMES)
 
 
-_cache: dict[tuple, frozenset] = {}
+_cache: dict[tuple, tuple[tuple, frozenset]] = {}
 
 
 def ignored_logging_functions() -> frozenset[Callable]:
     """What Dynamo should treat as a no-op while tracing: looked up at each call, so helpers a
     library attaches to `logging.Logger` after `optimize()` (transformers on import) are covered."""
     module_functions = tuple(getattr(logging, n, None) for n in _LEVEL_NAMES)
-    key = (tuple(map(id, vars(logging.Logger).values())), tuple(map(id, module_functions)),
-           id(warnings.warn), id(warnings.warn_explicit))
+    watched = (*vars(logging.Logger).values(), *module_functions, warnings.warn, warnings.warn_explicit)
+    key = tuple(map(id, watched))  # the cache holds `watched`: none of these ids can be reused meanwhile
     found = _cache.get(key)
     if found is None:
         out = {attr for name, attr in vars(logging.Logger).items() if _is_emitter(name) and callable(attr)}
         out.update(fn for fn in module_functions if callable(fn))  # logging.warning(...): the root logger
         out.update((warnings.warn, warnings.warn_explicit))
         _cache.clear()
-        found = _cache[key] = frozenset(out)
-    return found
+        _cache[key] = (watched, frozenset(out))
+        return frozenset(out)
+    return found[1]
 
 
 @contextlib.contextmanager

@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import types
-from collections.abc import Callable
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from .backend import PlanningBackend
-from .budget import parse_budget, parse_planning_options
+from .budget import Budget, BudgetResolution, parse_budget, parse_planning_options
+from .capture_errors import capturing
 from .offload_runtime import OffloadDeviceError
 from .costs import DeviceProfile
 from .plan import Plan
+from .plan_file import PlanFile, seal, validate
 from .solvers import BudgetInfeasibleError
+
+SHAPE_CACHE_SIZE = 32
+"""Compiled programs (each with its plan) an optimized callable keeps: one per input signature (shapes,
+dtypes, devices, requires_grad of the tensors, other argument values, grad mode, train/eval mode). Beyond
+it the least recently used one is dropped, and planned again if its signature comes back."""
 
 
 def _own_code(call: Callable) -> Callable:
@@ -36,6 +49,7 @@ def _own_code(call: Callable) -> Callable:
 
 def _unwrap_errors(compiled: Callable) -> Callable:
     """Dynamo wraps backend exceptions; surface ours (budget, bad input) as themselves."""
+    compiled = capturing(compiled)  # logging ignored while tracing; graph breaks as CaptureError
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
@@ -50,16 +64,232 @@ def _unwrap_errors(compiled: Callable) -> Callable:
     return call
 
 
-class OptimizedFunction:
-    """A planned function: call it like the original; `plan` is the plan of its latest compilation."""
+@dataclass(frozen=True)
+class _Settings:
+    """optimize()'s planning options, as every compiled program of one optimized callable (and its copies) uses them."""
 
-    def __init__(self, fn: Callable, compiled: Callable):
+    budget: Budget
+    device_profile: str | DeviceProfile | None
+    time_limit_s: float | None
+    progress: bool
+    offload: bool | None
+    host_budget: Budget
+    executor: str | None
+    plan: str | os.PathLike | None
+    on_mismatch: str
+
+
+@dataclass
+class _CopySpec:
+    """What a copy of an optimized module is optimized again with: the settings, the budget as the original
+    resolved it, and the original's plans (sealed plan-file JSON) to replay instead of solving."""
+
+    settings: _Settings
+    resolution: BudgetResolution
+    carried: tuple[str, ...]
+
+
+CARRIED = Path("<plan carried from the copied module>")  # where a carried plan says it was loaded from
+
+
+class _Entry:
+    __slots__ = ("call", "plan", "backend", "__weakref__")
+
+    def __init__(self):
+        self.call: Callable | None = None
+        self.plan: Plan | None = None
+        self.backend: PlanningBackend | None = None
+
+
+class _WeakBackend:
+    """What torch.compile gets as the backend. Dynamo keeps every backend it was given for the life of the
+    process (eval_frame.cached_backends); this keeps only a weak reference to the PlanningBackend, which
+    its entry holds, so a dropped entry frees its backend and plan."""
+
+    def __init__(self, backend: PlanningBackend):
+        self.backend = weakref.ref(backend)
+
+    def __call__(self, gm, example_inputs):
+        return self.backend()(gm, example_inputs)
+
+
+class Dispatcher:
+    """Runs each call with the compiled program of its input signature: one `torch.compile` (own code
+    object, own PlanningBackend, sharing the callable's BudgetResolution) per signature, at most
+    SHAPE_CACHE_SIZE of them, least recently used dropped. So Dynamo's per-code-object recompile limit is
+    never reached, and `plan` of the owner is, after every call, the plan of the program that ran.
+
+    Extension point: `extra_key(args, kwargs)` is one more part of the signature (default None);
+    override it (or assign an instance attribute) to keep programs apart by anything else."""
+
+    def __init__(self, settings: _Settings, resolution: BudgetResolution, carried: tuple[str, ...] = (),
+                 *, fn: Callable | None = None, module: torch.nn.Module | None = None):
+        self.settings = settings
+        self.resolution = resolution
+        self.fn = fn
+        self.module = module
+        self.owner: Any = module  # whose `plan` describes what runs (the module, or the OptimizedFunction)
+        self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self.carried_json = carried
+        self.carried: dict[str, list[PlanFile]] = {}
+        for text in carried:
+            data = validate(json.loads(text), str(CARRIED))
+            self.carried.setdefault(data["fingerprint"]["hash"], []).append(PlanFile(CARRIED, data))
+
+    def extra_key(self, args: tuple, kwargs: dict) -> Hashable:
+        return None
+
+    def key(self, args: tuple, kwargs: dict) -> Hashable:
+        module = self.module
+        return (
+            torch.is_grad_enabled(),
+            module.training if module is not None else None,
+            _signature(args, kwargs),
+            self.extra_key(args, kwargs),
+        )
+
+    def __call__(self, *args, **kwargs):
+        key = self.key(args, kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._add(key)
+        else:
+            self.entries.move_to_end(key)
+        try:
+            return entry.call(*args, **kwargs)
+        finally:
+            self.owner.__dict__["plan"] = entry.plan
+
+    def _add(self, key: Hashable) -> _Entry:
+        entry = _Entry()
+        call = self.module._call_impl if self.module is not None else self.fn
+        entry.backend = self._backend(entry)
+        fn = _own_code(call)
+        compiled = torch.compile(fn, backend=_WeakBackend(entry.backend), fullgraph=True, dynamic=False)
+        entry.call = _unwrap_errors(compiled)
+        # Dynamo's cache on the code object refers back to the code (a cycle the garbage collector cannot see
+        # through): emptied when the entry goes (dropped, or its module gone), or no program would ever be
+        # freed. A backward still to run holds what it needs itself.
+        weakref.finalize(entry, torch._dynamo.reset_code, fn.__code__).atexit = False
+        self.entries[key] = entry
+        while len(self.entries) > SHAPE_CACHE_SIZE:
+            self.entries.popitem(last=False)
+        return entry
+
+    def _backend(self, entry: _Entry) -> PlanningBackend:
+        s = self.settings
+        # weak: the compiled code (which the garbage collector does not see through) holds the backend, and
+        # the entry holds the compiled code; a strong reference back would keep a dropped entry alive
+        entry_ref, owner_ref = weakref.ref(entry), weakref.ref(self)
+
+        def on_plan(plan: Plan) -> None:
+            entry, dispatcher = entry_ref(), owner_ref()
+            if entry is not None:
+                entry.plan = plan
+            if dispatcher is not None:
+                dispatcher.owner.__dict__["plan"] = plan
+
+        return PlanningBackend(
+            s.budget, s.device_profile, s.time_limit_s, on_plan, s.progress, s.offload, s.host_budget, s.executor,
+            s.plan, s.on_mismatch, resolution=self.resolution, carried=self.carried,
+        )
+
+    def copy_spec(self) -> _CopySpec:
+        """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first)."""
+        texts = [
+            json.dumps(seal(e.plan.to_file_data()), separators=(",", ":"))
+            for e in reversed(self.entries.values()) if e.plan is not None and e.plan.fingerprint is not None
+        ]
+        texts += [t for t in self.carried_json if t not in texts]
+        return _CopySpec(self.settings, self.resolution.copy(), tuple(texts[: 2 * SHAPE_CACHE_SIZE]))
+
+    def reduce_module(self, protocol: int = 2) -> tuple:
+        """The optimized module's `__reduce_ex__` (copy.copy, copy.deepcopy, pickle, torch.save): its state
+        without what optimize() installed, rebuilt by `_rebuild_module`, which optimizes the copy again."""
+        module = self.module
+        state = module.__getstate__()
+        state = {k: v for k, v in state.items() if k not in _INSTALLED}
+        return _rebuild_module, (type(module), self.copy_spec()), state
+
+
+_INSTALLED = ("_compiled_call_impl", "plan", "__reduce_ex__")  # what _install puts in an optimized module's __dict__
+_CONSTANTS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _signature(args: tuple, kwargs: dict) -> Hashable:
+    """What Dynamo specializes on in the arguments, over their pytree leaves: per tensor its type, shape,
+    strides, dtype, device and requires_grad; other leaves' values when they are constants (ints, floats,
+    strings...), else their type; and the containers' structure. (Tuples, lists and dicts are walked
+    here, other pytree containers through torch's pytree, which costs ~10 us.)"""
+    parts: list = []
+    for a in args:
+        _leaf_signature(a, parts)
+    if kwargs:
+        parts.append(tuple(kwargs))
+        for a in kwargs.values():
+            _leaf_signature(a, parts)
+    return tuple(parts)
+
+
+def _leaf_signature(a: Any, parts: list) -> None:
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        parts.append((t, a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
+    elif isinstance(a, (tuple, list)):  # namedtuples too
+        parts.append((t, len(a)))
+        for x in a:
+            _leaf_signature(x, parts)
+    elif isinstance(a, dict):
+        parts.append((t, tuple(a)))
+        for x in a.values():
+            _leaf_signature(x, parts)
+    elif isinstance(a, _CONSTANTS):
+        parts.append((t, a))
+    elif t in SUPPORTED_NODES:  # namedtuples, registered dataclasses, model-output classes...
+        leaves, spec = tree_flatten(a)
+        parts.append(spec)
+        for x in leaves:
+            _leaf_signature(x, parts)
+    else:
+        parts.append(t)
+
+
+def _install(module: torch.nn.Module, settings: _Settings, resolution: BudgetResolution,
+             carried: tuple[str, ...] = ()) -> Dispatcher:
+    """Make `module` run through a new Dispatcher; copies of it are optimized again (see reduce_module)."""
+    dispatcher = Dispatcher(settings, resolution, carried, module=module)
+    # in __dict__, not through nn.Module.__setattr__; copy and pickle look `__reduce_ex__` up on the instance
+    module.__dict__.update({"plan": None, "_compiled_call_impl": dispatcher, "__reduce_ex__": dispatcher.reduce_module})
+    return dispatcher
+
+
+def _rebuild_module(cls: type, spec: _CopySpec) -> torch.nn.Module:
+    """A copy of an optimized module, before copy/pickle sets its state: optimized with the original's
+    settings and resolved budget; it replays the original's plans for the programs they were made for."""
+    module = cls.__new__(cls)
+    _install(module, spec.settings, spec.resolution.copy(), spec.carried)
+    return module
+
+
+class OptimizedFunction:
+    """A planned function: call it like the original; `plan` is the plan of the program that ran last."""
+
+    def __init__(self, fn: Callable, dispatcher: Dispatcher):
         functools.update_wrapper(self, fn)
-        self._call = compiled
+        self._call = dispatcher
+        dispatcher.owner = self
         self.plan: Plan | None = None
 
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)
+
+    def __reduce__(self):
+        d = self._call
+        return _rebuild_function, (self.__wrapped__, d.copy_spec())
+
+
+def _rebuild_function(fn: Callable, spec: _CopySpec) -> OptimizedFunction:
+    return OptimizedFunction(fn, Dispatcher(spec.settings, spec.resolution.copy(), spec.carried, fn=fn))
 
 
 def optimize(
@@ -82,11 +312,17 @@ def optimize(
     (parameters, buffers, inputs, activations, gradients, temporaries): an int of
     bytes, a string with a unit ("12GB", "512MiB", "1.5 GiB"), a percentage of the
     unplanned peak ("60%"), or None (fastest plan, lowest peak among the fastest).
+    A percentage is resolved once, against the first training program planned, and
+    means those bytes for every later program (eval, no_grad, other shapes); a
+    forward-only program planned before any training program takes it of its own peak.
 
     A module comes back as a module of the same class that shares the original's
-    parameters, buffers and submodules. Planning happens at the first call, or at
-    once when `example_inputs` are given (one forward is run on them and discarded).
-    The plan is `result.plan`. A budget no plan can meet raises BudgetInfeasibleError.
+    parameters, buffers and submodules; its copies (copy, deepcopy, pickle, torch.save)
+    stay optimized with the same settings and resolved budget and replay its plans.
+    Planning happens at the first call of each input signature (at most
+    SHAPE_CACHE_SIZE programs kept), or at once when `example_inputs` are given (one
+    forward is run on them and discarded). `result.plan` is the plan of the program the
+    latest call ran. A budget no plan can meet raises BudgetInfeasibleError.
 
     time_limit_s: planning time limit; by default the larger of 5 s and 0.02 s per op.
     progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
@@ -113,24 +349,18 @@ def optimize(
         raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
         raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
+    from .plan_file import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
+
+    check_plan_option(plan, stacklevel=3)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
 
+    settings = _Settings(budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch)
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
-        backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(target, p), progress, offload, host, executor, plan, on_mismatch
-        )
-        target.plan = None
-        compiled = torch.compile(_own_code(target._call_impl), backend=backend, fullgraph=True, dynamic=False)
-        target._compiled_call_impl = _unwrap_errors(compiled)
+        _install(target, settings, BudgetResolution(budget))
     else:
-        holder: dict[str, OptimizedFunction] = {}
-        backend = PlanningBackend(
-            budget, device_profile, time_limit_s, lambda p: _set_plan(holder["f"], p), progress, offload, host, executor, plan, on_mismatch
-        )
-        compiled = torch.compile(_own_code(fn_or_module), backend=backend, fullgraph=True, dynamic=False)
-        target = holder["f"] = OptimizedFunction(fn_or_module, _unwrap_errors(compiled))
+        target = OptimizedFunction(fn_or_module, Dispatcher(settings, BudgetResolution(budget), fn=fn_or_module))
 
     if example_inputs is not None:
         _plan_now(target, tuple(example_inputs))
@@ -141,10 +371,6 @@ def _rng_untouched():
     """A planning run must not advance the random streams the user's training will draw from."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     return torch.random.fork_rng(devices=cuda)
-
-
-def _set_plan(target: Any, plan: Plan) -> None:
-    target.__dict__["plan"] = plan
 
 
 def _plan_now(target: Any, example_inputs: tuple) -> None:

@@ -90,3 +90,78 @@ def parse_planning_options(
     if time_limit_s is not None and not positive_number:
         raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
     return budget, host
+
+
+THIS_PROGRAM = "this program"
+FIRST_TRAINING_PROGRAM = "the first training program"
+
+
+class BudgetResolution:
+    """A budget as one optimized callable means it, shared by all the programs it compiles (every
+    input shape, grad mode and train/eval mode) and carried by its copies.
+
+    A percentage is resolved once, against the unplanned peak of the first training program planned
+    (forward+backward); from then on it means those bytes for every program. A forward-only program
+    planned before any training program takes the percentage of its own unplanned peak, and that
+    does not fix the bytes. Budgets in bytes (and no budget) need no resolving."""
+
+    def __init__(self, budget: Budget, nbytes: int | None = None, reference: dict | None = None):
+        self.budget = budget
+        self.nbytes = nbytes  # the resolved bytes of a percentage, once a training program fixed them
+        self.reference = reference  # that program: {"unplanned_peak_bytes", "fingerprint"}
+
+    @property
+    def is_percentage(self) -> bool:
+        return self.budget.fraction is not None
+
+    @property
+    def resolved(self) -> bool:
+        return self.nbytes is not None
+
+    def bytes_for(self, unplanned_peak_bytes: int) -> int | None:
+        """The budget of a program with this unplanned peak."""
+        if self.budget.fraction is None:
+            return self.budget.nbytes
+        return self.nbytes if self.nbytes is not None else self.budget.resolve(unplanned_peak_bytes)
+
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None) -> dict | None:
+        """How a program with this unplanned peak gets its bytes (Plan.budget_from), None unless a percentage:
+        the program the percentage is taken of (which, its unplanned peak, its fingerprint hash) and the bytes."""
+        if self.budget.fraction is None:
+            return None
+        if self.reference is not None:
+            return {"program": FIRST_TRAINING_PROGRAM, **self.reference, "bytes": self.nbytes}
+        return {"program": THIS_PROGRAM, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
+                "bytes": self.budget.resolve(unplanned_peak_bytes)}
+
+    def made_for(self) -> dict:
+        """What a plan file must have been made for, beyond the budget's spec, to be reused now: the
+        resolved bytes once they are fixed; before, a percentage of the program's own peak (which the
+        fingerprint and the spec determine)."""
+        if self.budget.fraction is None:
+            return {}
+        if self.nbytes is not None:
+            return {"budget_resolved_bytes": self.nbytes}
+        return {"budget_from": THIS_PROGRAM}
+
+    def fix(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None) -> None:
+        """A training program was planned with `nbytes`: the first one fixes a percentage's bytes."""
+        if self.budget.fraction is not None and self.nbytes is None:
+            self.nbytes = nbytes
+            self.reference = {"unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint}
+
+    def explain(self) -> str:
+        """For error messages: where the bytes of a fixed percentage came from."""
+        ref = self.reference or {}
+        mib = 2**20
+        return (
+            f"the budget {self.budget.spec!r} was resolved from the first training program this callable planned "
+            f"({self.budget.spec} of its unplanned peak of {ref.get('unplanned_peak_bytes', 0) / mib:.2f} MiB = "
+            f"{(self.nbytes or 0) / mib:.2f} MiB) and means those bytes for every later program"
+        )
+
+    def copy(self) -> BudgetResolution:
+        return BudgetResolution(self.budget, self.nbytes, dict(self.reference) if self.reference else None)
+
+    def __repr__(self) -> str:
+        return f"BudgetResolution({self.budget}, nbytes={self.nbytes}, reference={self.reference})"

@@ -16,6 +16,10 @@ SUMMARY_KEYS = {
     "predicted_peak_bytes": "simulated peak of the planned step: parameters, inputs, activations, gradients",
     "unplanned_peak_bytes": "simulated peak of the program as captured (what '60%' budgets refer to)",
     "budget_bytes": "the resolved budget, or None",
+    "budget_from": "how a percentage budget became budget_bytes: 'this program' (a share of this program's own "
+    "unplanned peak: the first training program planned, or a forward-only one planned before any) or 'the first "
+    "training program' (the bytes it fixed for every later program); None for a budget in bytes or no budget",
+    "budget_reference_peak_bytes": "the unplanned peak the percentage was taken of (None unless budget_from is set)",
     "lower_bound_bytes": "a peak no plan can go below",
     "estimated_time_s": "cost-model time of the planned step",
     "unplanned_time_s": "cost-model time of the program as captured",
@@ -65,6 +69,9 @@ class Plan:
     fusion_groups: list[list[str]] = field(default_factory=list)  # member node names per group
     fingerprint: dict | None = None  # of the captured graph (see optsched.fingerprint)
     offload_allowed: bool = False
+    # how a percentage budget was resolved (BudgetResolution.source): {"program", "unplanned_peak_bytes",
+    # "fingerprint"} of the program the percentage was taken of; None for bytes or no budget
+    budget_from: dict | None = None
 
     @property
     def kind(self) -> str:
@@ -99,6 +106,8 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "unplanned_peak_bytes": self.baseline.peak_bytes,
             "budget_bytes": self.budget_bytes,
+            "budget_from": (self.budget_from or {}).get("program"),
+            "budget_reference_peak_bytes": (self.budget_from or {}).get("unplanned_peak_bytes"),
             "lower_bound_bytes": self.lower_bound_bytes,
             "estimated_time_s": self.estimated_time_s,
             "unplanned_time_s": self.baseline.time_s,
@@ -145,6 +154,9 @@ class Plan:
                 "kind": self.kind,
                 "budget": self.budget_spec,
                 "budget_bytes": self.budget_bytes,
+                "budget_from": (self.budget_from or {}).get("program"),
+                "budget_resolved_bytes": (self.budget_from or {}).get("bytes"),  # before any cap the plan applied
+                "budget_reference": self.budget_from,
                 "device_profile": self.profile.name,
                 "executor": self.executor,
                 "offload": self.offload_allowed,

@@ -63,13 +63,18 @@ class PlanFile:
         """What differs between this plan and the graph (and settings) at hand, or None."""
         problems = []
         for key, value in wanted.items():
-            have = self.data["made_for"].get(key)
+            have = self.data["made_for"].get(key, _MADE_FOR_BEFORE.get(key))
             if have != value:
                 problems.append(f"{key}: the plan has {have!r}, this run wants {value!r}")
         mine, theirs = self.fingerprint, fingerprint
         if mine["hash"] != theirs["hash"]:
             problems.append(_node_difference(mine["nodes"], theirs["nodes"]))
         return "; ".join(problems) if problems else None
+
+
+# made_for fields files written before them lack, as those files were made: a percentage budget was
+# then always a share of the program's own unplanned peak
+_MADE_FOR_BEFORE = {"budget_from": "this program"}
 
 
 def _node_difference(planned: list, current: list) -> str:

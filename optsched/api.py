@@ -21,6 +21,7 @@ from .backend import PlanningBackend
 from .budget import Budget, BudgetResolution, parse_budget, parse_planning_options
 from .capture_errors import capturing
 from .offload_runtime import OffloadDeviceError
+from .output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
 from .costs import DeviceProfile
 from .plan import Plan
 from .plan_file import PlanFile, seal, validate
@@ -130,6 +131,7 @@ class Dispatcher:
         self.module = module
         self.owner: Any = module  # whose `plan` describes what runs (the module, or the OptimizedFunction)
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self.usage: dict[Hashable, OutputUsage] = {}  # per signature: what a backward saw the caller do
         self.carried_json = carried
         self.carried: dict[str, list[PlanFile]] = {}
         for text in carried:
@@ -141,12 +143,14 @@ class Dispatcher:
 
     def key(self, args: tuple, kwargs: dict) -> Hashable:
         module = self.module
-        return (
+        base = (
             torch.is_grad_enabled(),
             module.training if module is not None else None,
             _signature(args, kwargs),
             self.extra_key(args, kwargs),
         )
+        # what the caller was last seen doing with this program's outputs (output_usage): a new usage, a new plan
+        return base, self.usage.get(base)
 
     def __call__(self, *args, **kwargs):
         key = self.key(args, kwargs)
@@ -156,14 +160,17 @@ class Dispatcher:
         else:
             self.entries.move_to_end(key)
         try:
-            return entry.call(*args, **kwargs)
+            out = entry.call(*args, **kwargs)
         finally:
             self.owner.__dict__["plan"] = entry.plan
+        if key[0][0]:  # grad mode: outputs no gradient flows into get None in the backward, not full zeros
+            release_unused_grads(out)
+        return out
 
     def _add(self, key: Hashable) -> _Entry:
         entry = _Entry()
         call = self.module._call_impl if self.module is not None else self.fn
-        entry.backend = self._backend(entry)
+        entry.backend = self._backend(entry, *key)
         fn = _own_code(call)
         compiled = torch.compile(fn, backend=_WeakBackend(entry.backend), fullgraph=True, dynamic=False)
         entry.call = _unwrap_errors(compiled)
@@ -176,7 +183,7 @@ class Dispatcher:
             self.entries.popitem(last=False)
         return entry
 
-    def _backend(self, entry: _Entry) -> PlanningBackend:
+    def _backend(self, entry: _Entry, base: Hashable = None, usage: OutputUsage | None = None) -> PlanningBackend:
         s = self.settings
         # weak: the compiled code (which the garbage collector does not see through) holds the backend, and
         # the entry holds the compiled code; a strong reference back would keep a dropped entry alive
@@ -189,9 +196,15 @@ class Dispatcher:
             if dispatcher is not None:
                 dispatcher.owner.__dict__["plan"] = plan
 
+        def on_usage(seen: OutputUsage, planned: OutputUsage) -> None:
+            dispatcher = owner_ref()
+            if dispatcher is not None:
+                dispatcher.usage[base] = seen  # the next call with this signature plans for it
+            warn_if_underplanned(seen, planned, s.budget.spec is not None)
+
         return PlanningBackend(
             s.budget, s.device_profile, s.time_limit_s, on_plan, s.progress, s.offload, s.host_budget, s.executor,
-            s.plan, s.on_mismatch, resolution=self.resolution, carried=self.carried,
+            s.plan, s.on_mismatch, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
         )
 
     def copy_spec(self) -> _CopySpec:

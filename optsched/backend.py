@@ -14,10 +14,12 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .budget import Budget
+from .budget import Budget, BudgetResolution
+from .capture_errors import check_static_sizes
 from .costs import DeviceProfile, NodeCosts, get_profile
 from .fingerprint import fingerprint
-from .plan_file import PlanMismatchError, cache_dir, load_plan
+from .plan_file import PlanFile, PlanMismatchError, cache_dir, load_plan
+from .output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
 from .plan_reuse import plan_from_file
 from .foreach_split import split_foreach as split_foreach_ops
 from .inplace import fold_copy_back
@@ -31,6 +33,7 @@ from .problem_builder import Built, build_problem, reuse_candidates
 from .executors import get_executor
 from .fusion import Group, build_group, compile_groups, horizontal_candidates, roofline_time
 from .profiling import profile_nodes
+from .user_checkpoint import solve_within_user_checkpointing
 from .solvers import BudgetInfeasibleError, simulate, solve
 from .solvers.fusion import find_groups, fuse_ops
 from .solvers.problem import Problem
@@ -82,6 +85,10 @@ class PlanningBackend:
         executor: str | None = None,
         plan: str | os.PathLike | None = None,
         on_mismatch: str = "error",
+        usage: OutputUsage | None = None,
+        on_usage: Callable[[OutputUsage, OutputUsage], None] | None = None,
+        resolution: BudgetResolution | None = None,
+        carried: dict[str, list[PlanFile]] | None = None,
     ):
         self.budget = budget
         self.device_profile = device_profile
@@ -94,8 +101,18 @@ class PlanningBackend:
         self.plan_spec = None if plan is None else (plan if plan == "auto" else os.fspath(plan))
         self.on_mismatch = on_mismatch
         self.profile: DeviceProfile | None = None
+        # the budget as the optimized callable means it, shared by all its backends (see BudgetResolution)
+        self.resolution = resolution if resolution is not None else BudgetResolution(budget)
+        # plans a copy of an optimized module carries from its original, by fingerprint hash: replayed, not solved
+        self.carried = carried or {}
+        # what the caller does with the outputs (None: output_usage.default_usage's guess), and who
+        # hears when a backward shows otherwise (the next call then plans with what was seen)
+        self.usage = usage
+        self.on_usage = on_usage
+        self._observer: UsageObserver | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
+        check_static_sizes(gm)  # data-dependent sizes: a CaptureError before any planning code sees them
         self.device = _device_of(example_inputs) or torch.device("cpu")
         wants = self.device_profile
         # default on CPU: measure op times on this machine; a named profile means the roofline
@@ -110,8 +127,8 @@ class PlanningBackend:
         )
         self.executor = get_executor(self.executor_setting, self.device)
         return aot_autograd(
-            fw_compiler=self._compile,
-            bw_compiler=self._compile,
+            fw_compiler=self._compile_forward,
+            bw_compiler=self._compile_backward,
             inference_compiler=self._inference,
             partition_fn=self._partition,
             keep_inference_input_mutations=True,
@@ -120,6 +137,36 @@ class PlanningBackend:
     @staticmethod
     def _compile(gm: fx.GraphModule, example_inputs):
         return boxed(gm)
+
+    def _compile_forward(self, gm: fx.GraphModule, example_inputs):
+        run, observer = boxed(gm), self._observer
+        if observer is None:
+            return run
+        n_outputs = observer.n_outputs
+
+        def forward(args: list):
+            out = run(args)
+            observer.forward_done(out, n_outputs)
+            return out
+
+        forward._boxed_call = True  # type: ignore[attr-defined]
+        return forward
+
+    def _compile_backward(self, gm: fx.GraphModule, example_inputs):
+        """The backward, taking None for an output no gradient flowed into (see output_usage)."""
+        run, observer = boxed(gm), self._observer
+        positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+                     if n.name.startswith("tangents")]
+
+        def backward(args: list):
+            tangents = fill_missing_tangents(args, positions)
+            if observer is not None:
+                observer.backward_start(tangents)
+            del tangents
+            return run(args)
+
+        backward._boxed_call = True  # type: ignore[attr-defined]
+        return backward
 
     def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
         return profile_nodes(gm, self.device, reuse_candidates(jg)) if self.measure else None
@@ -173,12 +220,22 @@ class PlanningBackend:
 
     def _plan(self, problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
+        from_reference = budget_bytes is None and self.resolution.resolved
         if budget_bytes is None:
-            budget_bytes = self.budget.resolve(baseline.peak_bytes)
+            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
         limit = self.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, DEFAULT_S_PER_OP * len(problem.ops))
-        sol = solve(problem, budget_bytes, time_limit_s=limit, progress=self.progress)
+        # checkpointing already in the model caps the budget: never above the user's own plan
+        try:
+            budget_bytes, sol = solve_within_user_checkpointing(
+                problem, items, budget_bytes, lambda b: solve(problem, b, time_limit_s=limit, progress=self.progress)
+            )
+        except BudgetInfeasibleError as e:
+            if from_reference:
+                e.args = (f"{e.args[0]}; {self.resolution.explain()}, and this program's unplanned peak is "
+                          f"{baseline.peak_bytes / 2**20:.2f} MiB",)
+            raise
         plan = Plan(
             problem=problem,
             schedule=sol.schedule,
@@ -196,36 +253,64 @@ class PlanningBackend:
         )
         return plan
 
-    def _planned(self, gm: fx.GraphModule, jg, name: str) -> tuple[Plan, list]:
+    def _planned(self, gm: fx.GraphModule, jg, name: str, usage: OutputUsage | None = None) -> tuple[Plan, list]:
         """The plan for this graph: from the plan file when one matches, else solved (and saved when asked)."""
         fp = fingerprint(gm)
         path = self._plan_path(fp, name)
-        if path is not None and path.exists():
+        pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
+        if pf is None and path is not None and path.exists():
             pf = load_plan(path)
+        if pf is not None:
             mismatch = pf.describe_mismatch(fp, **self._made_for(name))
-            if mismatch is None:
-                plan, items = plan_from_file(self, jg, gm, pf, name)
+            recorded = pf.data["made_for"].get("outputs")
+            if mismatch is None and usage is not None and recorded is not None and self.usage is None:
+                usage = OutputUsage.parse(recorded)  # our guess, against what the file's run saw the caller do
+            if mismatch is None and (usage.describe() if usage is not None else None) == recorded:
+                plan, items = plan_from_file(self, jg, gm, pf, name, usage)
+                self._record_budget(plan, fp)
                 self.on_plan(plan)
                 return plan, items
-            if self.on_mismatch == "error":
+            if mismatch is None:
+                pass  # the caller now uses the outputs otherwise than when the file was made: plan again
+            elif self.on_mismatch == "error":
                 raise PlanMismatchError(
                     f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
                     "overwrite it, or use another plan file"
                 )
         built = build_problem(
             jg, self.profile, name=name, measured=self._costs(gm, jg),
-            offload=self.offload, host_budget_bytes=self.host_budget_bytes,
+            offload=self.offload, host_budget_bytes=self.host_budget_bytes, usage=usage,
         )
         plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
         plan.fingerprint, plan.offload_allowed = fp, self.offload
-        if path is not None:
-            plan.save(path)
+        plan.output_usage = usage.describe() if usage is not None else None
+        self._record_budget(plan, fp)
+        if path is not None:  # a save the file system refuses warns: the plan is made, the step runs
+            from .plan_file import save_or_warn
+
+            save_or_warn(plan.save, path, cached=self.plan_spec == "auto")
         self.on_plan(plan)
         return plan, items
 
     def _made_for(self, name: str) -> dict:
+        """What a plan file must have been made for (its output usage is checked apart: see `_planned`).
+        A percentage budget adds how it resolves now (its fixed bytes, or this program's own peak), so a
+        plan is never reused for other bytes (and the plan cache keys them apart)."""
         return {"kind": "training" if name == "training step" else "inference", "budget": str(self.budget),
-                "device_profile": self.profile.name, "executor": self.executor.name, "offload": self.offload}
+                "device_profile": self.profile.name, "executor": self.executor.name, "offload": self.offload,
+                **self.resolution.made_for()}
+
+    def _carried_plan(self, fp: dict, name: str) -> PlanFile | None:
+        wanted = self._made_for(name)
+        return next((pf for pf in self.carried.get(fp["hash"], ()) if pf.describe_mismatch(fp, **wanted) is None), None)
+
+    def _record_budget(self, plan: Plan, fp: dict) -> None:
+        """How the budget was resolved, on the plan; the first training program fixes a percentage's bytes
+        (the percentage of its unplanned peak, not a cap the plan itself applied)."""
+        peak = plan.baseline.peak_bytes
+        plan.budget_from = self.resolution.source(peak, fp["hash"])
+        if plan.kind == "training":
+            self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])
 
     def _plan_path(self, fp: dict, name: str) -> Path | None:
         if self.plan_spec is None:
@@ -237,11 +322,21 @@ class PlanningBackend:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         jg = build_joint_graph(joint, num_fwd_outputs)
-        plan, items = self._planned(joint, jg, "training step")
+        usage, tangent_of = self._training_usage(joint, jg)
+        plan, items = self._planned(joint, jg, "training step", usage)
+        scalar = [isinstance(o, fx.Node) and isinstance(v := o.meta.get("val"), torch.Tensor) and v.dim() == 0 for o in jg.fw_outputs]
+        self._observer = UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, scalar)
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
         return fw, bw
+
+    def _training_usage(self, joint: fx.GraphModule, jg) -> tuple[OutputUsage, list[int | None]]:
+        """The output usage to plan with (the observed one, else the guess), and each tangent's output."""
+        tangent_of = tangent_outputs(joint, jg.tangents)
+        if self.usage is not None and len(self.usage.grad) == len(jg.fw_outputs):
+            return self.usage, tangent_of
+        return default_usage(jg.fw_outputs, tangent_of), tangent_of
 
     def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
         # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step

@@ -157,7 +157,7 @@ class OfflineBackend(PlanningBackend):
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         self._captured()
         jg = build_joint_graph(joint, num_fwd_outputs)
-        self._planned(joint, jg, "training step")
+        self._planned(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()
 
     def _inference(self, gm: fx.GraphModule, example_inputs):

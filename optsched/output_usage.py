@@ -20,6 +20,7 @@ plans again with the observed usage, so from the second step on the plan follows
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,8 +78,12 @@ class UsageObserver:
     reads which tangents arrived and which outputs are still alive, and reports a usage that
     differs from the plan's through `on_change` (once per program: the next call re-plans)."""
 
-    def __init__(self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage], None] | None):
+    def __init__(
+        self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage, OutputUsage], None] | None,
+        scalar: list[bool] | None = None,
+    ):
         self.planned = planned
+        self.scalar = scalar or [False] * len(planned.grad)  # whether a 0-dim scalar is held changes no plan
         self.tangent_of = tangent_of
         self.on_change = on_change
         self.refs: list[weakref.ref | None] = []
@@ -97,10 +102,29 @@ class UsageObserver:
                 grad[i] = True
         held = [r is not None and r() is not None for r in self.refs]
         held += [False] * (len(grad) - len(held))
-        seen = OutputUsage(tuple(grad), tuple(held[: len(grad)]))
+        held = [self.planned.held[i] if self.scalar[i] else h for i, h in enumerate(held[: len(grad)])]
+        seen = OutputUsage(tuple(grad), tuple(held))
         if seen != self.planned:
             self.reported = True
-            self.on_change(seen)
+            self.on_change(seen, self.planned)
+
+
+class OutputUsageWarning(UserWarning):
+    """A step used its outputs in a way that needs more memory than its plan assumed."""
+
+
+def warn_if_underplanned(seen: OutputUsage, planned: OutputUsage, budgeted: bool) -> None:
+    """A gradient into an output the plan thought gets none, or an output held that it thought dropped:
+    this step may have gone above its predicted peak (the next call plans for it). Said once per program,
+    and only when there is a budget to go over."""
+    more = [i for i, (g, h, pg, ph) in enumerate(zip(seen.grad, seen.held, planned.grad, planned.held)) if (g and not pg) or (h and not ph)]
+    if budgeted and more:
+        warnings.warn(
+            f"optsched: forward output(s) {more} were used in a way this step's plan did not assume "
+            f"(planned {planned.describe()!r}, seen {seen.describe()!r}: g = a gradient flows in, h = held through "
+            "the backward), so this step may have gone above its predicted peak; the next call plans for it",
+            OutputUsageWarning, stacklevel=2,
+        )
 
 
 def release_unused_grads(outputs) -> None:
@@ -136,5 +160,6 @@ def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]])
 
 
 __all__ = [
-    "OutputUsage", "UsageObserver", "default_usage", "fill_missing_tangents", "release_unused_grads", "tangent_outputs",
+    "OutputUsage", "OutputUsageWarning", "UsageObserver", "default_usage", "fill_missing_tangents",
+    "release_unused_grads", "tangent_outputs", "warn_if_underplanned",
 ]

@@ -49,6 +49,8 @@ SUMMARY_KEYS = {
     "n_fused_ops": "ops inside them",
     "device_profile": "the profile times were estimated for",
     "timing": "'measured' (op times measured on the device) or 'roofline' (the profile's cost model)",
+    "output_usage": "what the plan assumes the caller does with each forward output: 'g' a gradient flows into it, "
+    "'h' it is held through the backward, '-' not (e.g. 'gh,--' for a loss used and logits dropped); None forward-only",
 }
 
 
@@ -72,6 +74,7 @@ class Plan:
     # how a percentage budget was resolved (BudgetResolution.source): {"program", "unplanned_peak_bytes",
     # "fingerprint"} of the program the percentage was taken of; None for bytes or no budget
     budget_from: dict | None = None
+    output_usage: str | None = None  # OutputUsage.describe() of the training program's outputs
 
     @property
     def kind(self) -> str:
@@ -137,6 +140,7 @@ class Plan:
             "n_fused_ops": sum(len(g) for g in self.fusion_groups),
             "device_profile": self.profile.name,
             "timing": self.timing,
+            "output_usage": self.output_usage,
         }
         assert set(out) == set(SUMMARY_KEYS)
         return out
@@ -163,6 +167,7 @@ class Plan:
                 "host_budget_bytes": p.host_budget_bytes,
                 "profile": self.profile.to_dict(),
                 "timing": self.timing,
+                "outputs": self.output_usage,
             },
             "decisions": {
                 "ops": [o.name for o in p.ops],

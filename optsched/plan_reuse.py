@@ -21,14 +21,19 @@ from .solvers.problem import Schedule, default_schedule
 if TYPE_CHECKING:
     import torch.fx as fx
 
+    from .output_usage import OutputUsage
+
     from .backend import PlanningBackend
 
 
-def plan_from_file(backend: PlanningBackend, jg, gm: fx.GraphModule, pf: PlanFile, name: str) -> tuple[Plan, list]:
+def plan_from_file(
+    backend: PlanningBackend, jg, gm: fx.GraphModule, pf: PlanFile, name: str, usage: OutputUsage | None = None
+) -> tuple[Plan, list]:
     d, where = pf.data, str(pf.path)
     made_for, decisions = d["made_for"], d["decisions"]
     built = build_problem(
         jg, backend.profile, name=name, offload=backend.offload, host_budget_bytes=made_for.get("host_budget_bytes"),
+        usage=usage,
     )
     node_id = {n.name: i for i, n in enumerate(built.nodes)}
     try:
@@ -63,7 +68,7 @@ def plan_from_file(backend: PlanningBackend, jg, gm: fx.GraphModule, pf: PlanFil
         budget_bytes=made_for["budget_bytes"], budget_spec=made_for["budget"],
         lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=backend.profile, timing=made_for["timing"],
         graph_nodes=len(gm.graph.nodes), executor=made_for["executor"], fusion_groups=decisions["fusion_groups"],
-        fingerprint=pf.fingerprint, offload_allowed=made_for["offload"],
+        fingerprint=pf.fingerprint, offload_allowed=made_for["offload"], output_usage=made_for.get("outputs"),
     )
     return plan, items
 

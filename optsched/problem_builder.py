@@ -322,13 +322,14 @@ def _tangent_bytes(jg: JointGraph, usage: OutputUsage | None) -> dict[int, int]:
 
 def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None) -> int:
     """An estimate of what the caller holds between our forward and backward while it computes a loss
-    from non-scalar outputs it differentiates (one intermediate of each one's size: cross-entropy's
-    log-softmax, a difference for a squared error). A loss computed inside the model costs nothing here."""
+    from non-scalar outputs it differentiates, besides the gradient it hands us: two intermediates of each
+    one's size (cross-entropy keeps its log-softmax while its backward makes the gradient that goes into it;
+    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here."""
     if usage is None or not jg.is_training:
         return 0
     total = 0
     for i, o in enumerate(jg.fw_outputs):
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
-            total += v.numel() * v.element_size()
+            total += 2 * v.numel() * v.element_size()
     return total

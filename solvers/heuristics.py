@@ -160,10 +160,14 @@ def full_recompute(problem: Problem) -> Schedule:
 
 
 def lower_bound_peak(problem: Problem) -> int:
-    """A peak no schedule can go below: inputs, plus any one op's operands, or the step's outputs at the end."""
+    """A peak no schedule can go below: inputs, plus any one op's operands, or the step's outputs at the end,
+    or, when the caller computes a loss between forward and backward, its memory with the tangents it makes."""
     inputs = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.INPUT)
     act = lambda ids: sum(problem.tensors[t].bytes for t in set(ids) if problem.tensors[t].kind is not TensorKind.INPUT)  # noqa: E731
     best = act(problem.outputs)
+    caller = [t.id for t in problem.tensors if t.kind is TensorKind.CALLER]
+    if caller and problem.has_backward:
+        best = max(best, act(caller + [t.id for t in problem.tensors if t.kind is TensorKind.TANGENT]))
     for op in problem.ops:
         # an output written into an input's storage shares its bytes: count the larger saving
         shared = max((problem.tensors[i].bytes for _o, i in op.reuse), default=0)

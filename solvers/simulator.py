@@ -45,6 +45,7 @@ class SimResult:
     transfer_s: float = 0.0  # busy time of the copy queues, overlapping compute
     exposed_transfer_s: float = 0.0  # the part compute waited for (included in time_s)
     host_bytes: int = 0  # host memory taken by offloaded copies
+    boundary_bytes: int = 0  # live while the caller computes its loss between forward and backward (0: no such loss)
 
 
 def _check_orders(problem: Problem, schedule: Schedule) -> None:
@@ -80,8 +81,6 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
             span[(t.id, False)] = [0, last]
         elif t.kind is TensorKind.TANGENT:  # the autograd engine holds the seed through the whole backward
             span[(t.id, False)] = [n_fw, last]
-        elif t.kind is TensorKind.CALLER and len(steps) > n_fw:
-            span[(t.id, False)] = [n_fw, n_fw]
     recompute_pos: dict[int, int] = {}
     reads: list[list[tuple[int, bool]]] = []
     time_s = 0.0
@@ -145,10 +144,12 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         timeline.append(live + problem.ops[o].workspace_bytes)
     if not timeline:  # an empty program still holds its inputs
         timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
-    peak = max(timeline)
+    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps))
+    peak = max(timeline + [boundary])
     return SimResult(
         peak_bytes=peak,
-        peak_step=timeline.index(peak),
+        peak_step=timeline.index(peak) if peak in timeline else n_fw,
+        boundary_bytes=boundary,
         time_s=time_s,
         timeline=timeline,
         steps=steps,
@@ -162,6 +163,21 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         recompute_s=recompute_s,
         **(_offload_fields(offload) if offload is not None else {}),
     )
+
+
+def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int) -> int:
+    """Live bytes while the caller computes its loss between our forward and backward: what crosses
+    from forward to backward (inputs, saved and held values), the tangents it is making, and its own
+    intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of."""
+    caller = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.CALLER)
+    if not caller or n_steps <= n_fw:
+        return 0
+    live = sum(
+        problem.tensors[lt.tensor].bytes
+        for lt in lifetimes
+        if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind is TensorKind.TANGENT)
+    )
+    return live + caller
 
 
 def _offload_fields(rep) -> dict:

@@ -245,7 +245,8 @@ def zoo_table(d: dict) -> str:
         f"{len(d['cases'])} cases: {c['layers']} layers, width {c['width']}, vocabulary {c['vocab']}, batch {c['batch']}, "
         f"sequence {c['seq']} (ViT: 16 images of 32x32), random weights; torch {c['torch']}, transformers "
         f"{c['transformers']}, {c['threads']} CPU threads. Peaks in MiB at the allocator; budgets are fractions of "
-        f"eager's measured peak, in bytes; plan s = the first call (capture and planning). The whole zoo took "
+        f"eager's measured peak, in bytes; plan s = solver time (both plans' when the second step planned again for what "
+        f"the caller does with the outputs). The whole zoo took "
         f"{c['total_s'] / 60:.0f} min.",
         "",
         head,

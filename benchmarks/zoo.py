@@ -20,6 +20,8 @@ Writes benchmarks/results/zoo.json (the README's zoo table, through benchmarks.r
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import copy
 import functools
 import gc
@@ -40,9 +42,16 @@ from optsched.measure import measure_ratio, measure_training_step
 
 MIB = 2**20
 RESULTS = Path(__file__).parent / "results"
-VOCAB, WIDTH, LAYERS, HEADS, FFN = 1000, 64, 2, 4, 128
-BATCH, SEQ = 4, 64
 DEFAULT_BUDGETS = (None, 0.6, 0.4)
+# "test": seconds per case (the test suite's). "bench": activations well above parameters and logits, so that
+# budgets below eager's peak have room to act (what `python -m benchmarks.zoo` runs). The sizes are fixed at
+# import ($OPTSCHED_ZOO_SIZE; the command's --size runs itself again with it).
+SIZES = {
+    "test": dict(VOCAB=1000, WIDTH=64, LAYERS=2, HEADS=4, FFN=128, BATCH=4, SEQ=64),
+    "bench": dict(VOCAB=512, WIDTH=128, LAYERS=3, HEADS=4, FFN=512, BATCH=8, SEQ=128),
+}
+SIZE = os.environ.get("OPTSCHED_ZOO_SIZE") or ("bench" if __name__ == "__main__" else "test")
+VOCAB, WIDTH, LAYERS, HEADS, FFN, BATCH, SEQ = (SIZES[SIZE][k] for k in ("VOCAB", "WIDTH", "LAYERS", "HEADS", "FFN", "BATCH", "SEQ"))
 
 
 # --------------------------------------------------------------------------- cases
@@ -450,7 +459,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions for time vs eager (0: skip timing)")
     ap.add_argument("--json", type=Path, default=RESULTS / "zoo.json")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--size", choices=sorted(SIZES), default=None, help=f"model and input sizes (now: {SIZE})")
     args = ap.parse_args(argv)
+    if args.size is not None and args.size != SIZE:  # sizes are fixed at import: run again with them
+        os.environ["OPTSCHED_ZOO_SIZE"] = args.size
+        os.execv(sys.executable, [sys.executable, "-m", "benchmarks.zoo", *(sys.argv[1:] if argv is None else argv)])
     if args.list:
         for c in CASES.values():
             print(f"{c.name:<28} {c.model} [{c.pattern}]{' random' if c.random else ''}")
@@ -471,7 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(res)
         print_table([res])
     out = {
-        "config": {"vocab": VOCAB, "width": WIDTH, "layers": LAYERS, "heads": HEADS, "batch": BATCH, "seq": SEQ,
+        "config": {"size": SIZE, "vocab": VOCAB, "width": WIDTH, "layers": LAYERS, "heads": HEADS, "batch": BATCH,
+                   "seq": SEQ, "ffn": FFN,
                    "budgets": budgets, "repeat": args.repeat, "time_limit_s": args.time_limit,
                    "torch": torch.__version__, "transformers": _transformers_version(),
                    "threads": torch.get_num_threads(), "total_s": time.perf_counter() - t0, "git": git},

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .capture_errors import CaptureError
     from .costs import PROFILES, DeviceProfile
     from .offline import plan_offline
+    from .output_usage import OutputUsageWarning
     from .plan import SUMMARY_KEYS, Plan
     from .plan_file import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
     from .solvers import BudgetInfeasibleError
@@ -36,6 +37,7 @@ _LAZY = {
     "PlanFileWarning": "plan_file",
     "PlanCacheWarning": "plan_file",
     "load_plan": "plan_file",
+    "OutputUsageWarning": "output_usage",
     "BudgetInfeasibleError": "solvers",
 }
 
@@ -51,6 +53,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanFileWarning",
     "PlanCacheWarning",
+    "OutputUsageWarning",
     "load_plan",
     "optimize",
     "parse_budget",

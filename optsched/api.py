@@ -180,7 +180,9 @@ class Dispatcher:
         weakref.finalize(entry, torch._dynamo.reset_code, fn.__code__).atexit = False
         self.entries[key] = entry
         while len(self.entries) > SHAPE_CACHE_SIZE:
-            self.entries.popitem(last=False)
+            (base, _usage), _dropped = self.entries.popitem(last=False)
+            if not any(b == base for b, _ in self.entries):  # its signature is gone: forget what was seen of it
+                self.usage.pop(base, None)
         return entry
 
     def _backend(self, entry: _Entry, base: Hashable = None, usage: OutputUsage | None = None) -> PlanningBackend:

@@ -46,6 +46,8 @@ def fmt_budget(made_for: dict) -> str:
         return "none (the fastest plan)"
     spec = str(spec)
     if spec.endswith("%"):
+        if made_for.get("budget_from") == "the first training program":
+            return f"{fmt_mib(nbytes)} ({spec} of the first training program's unplanned peak)"
         return f"{fmt_mib(nbytes)} ({spec} of the unplanned peak)"
     return f"{fmt_mib(nbytes)} (given as {spec})"
 

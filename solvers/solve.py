@@ -87,29 +87,33 @@ def solve(
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
     line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress)
-    if problem.has_backward:
-        offload = problem.host_bw > 0 and budget_bytes is not None
-        search_s = (0.6 if offload else 0.8) * time_limit_s
-        if len(problem.ops) <= INTERVAL_MODEL_MAX_OPS:
-            best, stats, lowest = _solve_training(problem, budget_bytes, search_s, workers)
+    try:
+        if problem.has_backward:
+            offload = problem.host_bw > 0 and budget_bytes is not None
+            search_s = (0.6 if offload else 0.8) * time_limit_s
+            if len(problem.ops) <= INTERVAL_MODEL_MAX_OPS:
+                best, stats, lowest = _solve_training(problem, budget_bytes, search_s, workers)
+            else:
+                best, stats, lowest = _solve_training_scalable(problem, budget_bytes, search_s, workers, line)
+            if offload:
+                line.note("mixing offload and recomputation")
+                best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + 0.8 * time_limit_s)
+                if best is not None:
+                    _weaken_to_offload_space(problem, stats)
+            if best is not None and budget_bytes is not None and stats.status != "OPTIMAL":
+                _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
         else:
-            best, stats, lowest = _solve_training_scalable(problem, budget_bytes, search_s, workers, line)
-        if offload:
-            line.note("mixing offload and recomputation")
-            best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + 0.8 * time_limit_s)
-            if best is not None:
-                _weaken_to_offload_space(problem, stats)
-        if best is not None and budget_bytes is not None and stats.status != "OPTIMAL":
-            _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
-    else:
-        best, stats = _solve_forward_only(problem, time_limit_s, workers)
-        lowest = best
-    sim = simulate(problem, best) if best is not None else None
-    if sim is None or not _fits(sim, budget_bytes):
+            best, stats = _solve_forward_only(problem, time_limit_s, workers)
+            lowest = best
+        sim = simulate(problem, best) if best is not None else None
+        if sim is None or not _fits(sim, budget_bytes):
+            line.close()
+            raise BudgetInfeasibleError(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest)
+        stats.wall_s = time.perf_counter() - t0
+        line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
+    except BaseException:  # Ctrl-C or an error: the live line must not outlive the solve
         line.close()
-        raise BudgetInfeasibleError(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest)
-    stats.wall_s = time.perf_counter() - t0
-    line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
+        raise
     return Solution(best, sim, stats, baseline, budget_bytes, lower)
 
 

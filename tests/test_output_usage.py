@@ -139,3 +139,26 @@ def test_an_output_held_through_the_backward_is_planned_as_held():
     assert abs(opt.plan.predicted_peak_bytes - r.peak_bytes) <= ROUNDING
     assert r.peak_bytes <= eager.peak_bytes + ROUNDING
     assert _max_diff(eager.grads, r.grads) == 0.0
+
+
+def test_a_budgeted_step_that_used_more_than_its_plan_assumed_warns_once():
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(64, 256)
+    opt = optsched.optimize(model, "8MiB")  # a budget (roomy): a step above its plan could go over one
+    with pytest.warns(optsched.OutputUsageWarning, match=r"output\(s\) \[1\].*planned 'gh,--', seen 'gh,gh'.*next call plans for it"):
+        loss, out = opt(x)
+        (loss + out.sum() * 1e-3).backward()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optsched.OutputUsageWarning)  # the re-planned program assumes it: no warning
+        for _ in range(2):
+            loss, out = opt(x)
+            (loss + out.sum() * 1e-3).backward()  # `out` is still referenced here: held through the backward
+    assert opt.plan.summary()["output_usage"] == "gh,gh"
+
+
+def test_usage_text_round_trips():
+    usage = OutputUsage((True, False, True), (True, False, False))
+    assert usage.describe() == "gh,--,g-"
+    assert OutputUsage.parse(usage.describe()) == usage

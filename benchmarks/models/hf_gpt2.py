@@ -27,7 +27,6 @@ def build(n_layer: int = 6, n_embd: int = 256, n_head: int = 4, vocab_size: int 
         bos_token_id=0, eos_token_id=0,  # inside the small vocabulary
     )
     model = GPT2LMHeadModel(cfg)
-    model.loss_type = "ForCausalLM"  # else the loss property logs a warning, which torch.compile cannot trace
     return GPT2Loss(model)
 
 

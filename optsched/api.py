@@ -201,7 +201,11 @@ class Dispatcher:
         def on_usage(seen: OutputUsage, planned: OutputUsage) -> None:
             dispatcher = owner_ref()
             if dispatcher is not None:
-                dispatcher.usage[base] = seen  # the next call with this signature plans for it
+                # the next call with this signature plans for everything seen so far: a caller whose use varies
+                # from step to step (garbage collected late, an extra loss now and then) converges on one plan
+                wanted = seen.union(dispatcher.usage.get(base))
+                if wanted != planned:
+                    dispatcher.usage[base] = wanted
             warn_if_underplanned(seen, planned, s.budget.spec is not None)
 
         return PlanningBackend(

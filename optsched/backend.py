@@ -55,6 +55,17 @@ def _device_of(example_inputs) -> torch.device | None:
     return None
 
 
+def _scalar_outputs(jg) -> list[bool]:
+    return [isinstance(o, fx.Node) and isinstance(v := o.meta.get("val"), torch.Tensor) and v.dim() == 0 for o in jg.fw_outputs]
+
+
+def _view_outputs(jg) -> list[bool]:
+    """Forward outputs AOTAutograd hands out as views it makes anew over our storage (the caller holds a
+    tensor we never see). `_unsafe_view` results (a linear layer's 3-d output) go out as they are."""
+    return [isinstance(o, fx.Node) and jg.is_view(o) and o.target is not torch.ops.aten._unsafe_view.default
+            for o in jg.fw_outputs]
+
+
 def prepare_inference(gm: fx.GraphModule, split_foreach: bool = False) -> None:
     """The forward-only (optimizer step) graph as eager would run it, before planning.
     `split_foreach`: per-tensor ops instead of foreach ops, for an executor that fuses them
@@ -277,11 +288,15 @@ class PlanningBackend:
                     f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
                     "overwrite it, or use another plan file"
                 )
+        costs = self._costs(gm, jg)
         built = build_problem(
-            jg, self.profile, name=name, measured=self._costs(gm, jg),
+            jg, self.profile, name=name, measured=costs,
             offload=self.offload, host_budget_bytes=self.host_budget_bytes, usage=usage,
         )
         plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        if costs is not None and not costs.scratch_measured:
+            plan.stats.notes.append("planned while another profiler was running: kernel scratch space was not measured "
+                                    "(counted as 0) and no op writes into a dying input")
         plan.fingerprint, plan.offload_allowed = fp, self.offload
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp)
@@ -324,8 +339,8 @@ class PlanningBackend:
         jg = build_joint_graph(joint, num_fwd_outputs)
         usage, tangent_of = self._training_usage(joint, jg)
         plan, items = self._planned(joint, jg, "training step", usage)
-        scalar = [isinstance(o, fx.Node) and isinstance(v := o.meta.get("val"), torch.Tensor) and v.dim() == 0 for o in jg.fw_outputs]
-        self._observer = UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, scalar)
+        fixed = [scalar or view for scalar, view in zip(_scalar_outputs(jg), _view_outputs(jg))]
+        self._observer = UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, fixed)
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
@@ -336,7 +351,7 @@ class PlanningBackend:
         tangent_of = tangent_outputs(joint, jg.tangents)
         if self.usage is not None and len(self.usage.grad) == len(jg.fw_outputs):
             return self.usage, tangent_of
-        return default_usage(jg.fw_outputs, tangent_of), tangent_of
+        return default_usage(jg.fw_outputs, tangent_of, _view_outputs(jg)), tangent_of
 
     def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
         # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step

@@ -27,6 +27,7 @@ class NodeCosts:
     times: dict[str, float]  # seconds
     workspace: dict[str, int]  # bytes allocated and freed inside the op, beyond its outputs
     reuse_ok: dict[str, bool]  # its out= form writes into a dying input without a full-size temporary
+    scratch_measured: bool = True  # False when another profiler was running (workspace and reuse_ok then empty)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ class OutputUsage:
     def describe(self) -> str:
         return ",".join(("g" if g else "-") + ("h" if h else "-") for g, h in zip(self.grad, self.held))
 
+    def union(self, other: OutputUsage | None) -> OutputUsage:
+        """Everything either saw: a gradient into an output, or an output held, in one step or another."""
+        if other is None or len(other.grad) != len(self.grad):
+            return self
+        return OutputUsage(tuple(a or b for a, b in zip(self.grad, other.grad)), tuple(a or b for a, b in zip(self.held, other.held)))
+
     @classmethod
     def parse(cls, text: str) -> OutputUsage:
         parts = [p for p in text.split(",") if p]
@@ -57,9 +63,11 @@ def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int 
     return out
 
 
-def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage:
-    """The plan's guess before any backward was seen (see the module docstring)."""
+def default_usage(fw_outputs: list, tangent_of: list[int | None], unobservable: list[bool] | None = None) -> OutputUsage:
+    """The plan's guess before any backward was seen (see the module docstring). `unobservable` outputs
+    (views, which AOTAutograd hands out as new tensors over our storage) are taken as held."""
     n = len(fw_outputs)
+    unobservable = unobservable or [False] * n
     differentiable = {i for i in tangent_of if i is not None}
 
     def is_scalar(i: int) -> bool:
@@ -68,7 +76,7 @@ def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage
 
     scalars = {i for i in differentiable if is_scalar(i)}
     grad = tuple(i in (scalars or differentiable) for i in range(n))
-    return OutputUsage(grad, grad)
+    return OutputUsage(grad, tuple(g or u for g, u in zip(grad, unobservable)))
 
 
 class UsageObserver:
@@ -80,10 +88,12 @@ class UsageObserver:
 
     def __init__(
         self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage, OutputUsage], None] | None,
-        scalar: list[bool] | None = None,
+        fixed_held: list[bool] | None = None,
     ):
         self.planned = planned
-        self.scalar = scalar or [False] * len(planned.grad)  # whether a 0-dim scalar is held changes no plan
+        # outputs whose holding is taken from the plan, not observed: 0-dim scalars (it changes no plan) and
+        # views (the caller gets a new tensor over our storage; our weak reference says nothing of it)
+        self.fixed_held = fixed_held or [False] * len(planned.grad)
         self.tangent_of = tangent_of
         self.on_change = on_change
         self.refs: list[weakref.ref | None] = []
@@ -102,7 +112,7 @@ class UsageObserver:
                 grad[i] = True
         held = [r is not None and r() is not None for r in self.refs]
         held += [False] * (len(grad) - len(held))
-        held = [self.planned.held[i] if self.scalar[i] else h for i, h in enumerate(held[: len(grad)])]
+        held = [self.planned.held[i] if self.fixed_held[i] else h for i, h in enumerate(held[: len(grad)])]
         seen = OutputUsage(tuple(grad), tuple(held))
         if seen != self.planned:
             self.reported = True

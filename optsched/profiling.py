@@ -73,11 +73,16 @@ def profile_nodes(
         # the profiled run, blocks the profiler never saw allocated (c10 warns "Memory block of
         # unknown size was allocated before the profiling started")
         runner.env.clear()
+        if torch.autograd._profiler_enabled():
+            # planning inside someone's profiling session (a measured first call): a profiler of our own would
+            # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
+            return NodeCosts(times, {}, {}, scratch_measured=False)
         labelled["on"] = True
         with memory_profile() as prof:
             runner.run(*args)
     workspace, reuse_ok = _scratch(prof, reuse_inputs)
     return NodeCosts(times, workspace, reuse_ok)
+
 
 
 def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:

@@ -165,3 +165,18 @@ def test_measure_time_returns_median_seconds():
     t = measure_time(lambda: calls.append(1), warmup=1, repeat=3)
     assert len(calls) == 4
     assert 0 <= t < 0.1
+
+
+def test_planning_inside_a_profiling_session_leaves_it_running():
+    """A first call measured by the user's own profiler plans inside it: optsched's profiling must not end
+    the user's session (torch's profiler is one per process), and the plan says what it could not measure."""
+    import optsched
+    from tests import models
+
+    model, inputs = models.mlp()
+    opt = optsched.optimize(model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt(*inputs).backward()
+        torch.arange(7).cumsum(0)  # after planning: the session still records
+    assert any(e.name == "aten::cumsum" for e in prof.events())
+    assert any("another profiler was running" in n for n in opt.plan.stats.notes)

@@ -28,8 +28,8 @@ from benchmarks.models.gpt import GPTConfig, build, make_batch
 from optsched.api import capture_problem
 from optsched.measure import measure_ratio, measure_training_step
 from optsched.solvers import BudgetInfeasibleError, SimResult, default_schedule, simulate, solve
-from optsched.solvers.heuristics import greedy_recompute
-from optsched.solvers.offload import offload_all
+from optsched.solvers.search.heuristics import greedy_recompute
+from optsched.solvers.search.offload import offload_all
 
 MIB = 2**20
 RESULTS = Path(__file__).parent / "results"

@@ -25,7 +25,7 @@ import torch
 import optsched
 from benchmarks import write_result
 from benchmarks.models import gpt, llama
-from optsched.offline import default_dtype, plan_offline
+from optsched.capture.offline import default_dtype, plan_offline
 
 MIB, GIB = 2**20, 2**30
 RESULTS = Path(__file__).parent / "results"

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .api import optimize
     from .budget import parse_budget
-    from .capture_errors import CaptureError
-    from .costs import PROFILES, DeviceProfile
-    from .offline import plan_offline
-    from .output_usage import OutputUsageWarning
-    from .plan import SUMMARY_KEYS, Plan
-    from .plan_file import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
+    from .capture.errors import CaptureError
+    from .costs.profiles import PROFILES, DeviceProfile
+    from .capture.offline import plan_offline
+    from .capture.output_usage import OutputUsageWarning
+    from .plans.plan import SUMMARY_KEYS, Plan
+    from .plans.file_format import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
     from .solvers import BudgetInfeasibleError
 
 __version__ = "0.1.0"
@@ -24,20 +24,20 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _LAZY = {
     "optimize": "api",
-    "plan_offline": "offline",
+    "plan_offline": "capture.offline",
     "parse_budget": "budget",
-    "CaptureError": "capture_errors",
-    "PROFILES": "costs",
-    "DeviceProfile": "costs",
-    "SUMMARY_KEYS": "plan",
-    "Plan": "plan",
-    "PlanFile": "plan_file",
-    "PlanFileError": "plan_file",
-    "PlanMismatchError": "plan_file",
-    "PlanFileWarning": "plan_file",
-    "PlanCacheWarning": "plan_file",
-    "load_plan": "plan_file",
-    "OutputUsageWarning": "output_usage",
+    "CaptureError": "capture.errors",
+    "PROFILES": "costs.profiles",
+    "DeviceProfile": "costs.profiles",
+    "SUMMARY_KEYS": "plans.plan",
+    "Plan": "plans.plan",
+    "PlanFile": "plans.file_format",
+    "PlanFileError": "plans.file_format",
+    "PlanMismatchError": "plans.file_format",
+    "PlanFileWarning": "plans.file_format",
+    "PlanCacheWarning": "plans.file_format",
+    "load_plan": "plans.file_format",
+    "OutputUsageWarning": "capture.output_usage",
     "BudgetInfeasibleError": "solvers",
 }
 

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
-from .backend import PlanningBackend
+from .capture.backend import PlanningBackend
 from .budget import Budget, BudgetResolution, parse_budget, parse_planning_options
-from .capture_errors import capturing
-from .offload_runtime import OffloadDeviceError
-from .output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
-from .costs import DeviceProfile
-from .plan import Plan
-from .plan_file import PlanFile, seal, validate
+from .capture.errors import capturing
+from .lower.offload_runtime import OffloadDeviceError
+from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
+from .costs.profiles import DeviceProfile
+from .plans.plan import Plan
+from .plans.file_format import PlanFile, seal, validate
 from .solvers import BudgetInfeasibleError
 
 SHAPE_CACHE_SIZE = 32
@@ -368,7 +368,7 @@ def optimize(
         raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
         raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
-    from .plan_file import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
+    from .plans.file_format import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
 
     check_plan_option(plan, stacklevel=3)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
     if not callable(fn_or_module):

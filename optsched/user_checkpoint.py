@@ -36,10 +36,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .solvers import BudgetInfeasibleError, simulate
-from .solvers.heuristics import lower_bound_peak, place_recomputes
-from .solvers.problem import Problem, Schedule, SolveStats, default_schedule
-from .solvers.simulator import SimResult
-from .solvers.solve import Solution
+from .solvers.search.heuristics import lower_bound_peak, place_recomputes
+from .solvers.model.problem import Problem, Schedule, SolveStats, default_schedule
+from .solvers.model.simulator import SimResult
+from .solvers.search.strategy import Solution
 
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 _MIB = 2**20

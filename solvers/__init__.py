@@ -1,8 +1,8 @@
 """optsched.solvers: the torch-free optimization core (problem, simulator, heuristics, CP-SAT)."""
 
-from .problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
-from .simulator import ScheduleError, SimResult, simulate
-from .solve import BudgetInfeasibleError, Solution, solve
+from .model.problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
+from .model.simulator import ScheduleError, SimResult, simulate
+from .search.strategy import BudgetInfeasibleError, Solution, solve
 
 __all__ = [
     "BudgetInfeasibleError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .problem import Op, Phase, Problem, Tensor, TensorKind
+from .model.problem import Op, Phase, Problem, Tensor, TensorKind
 
 
 class _Builder:

@@ -27,10 +27,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import optsched
-from optsched.backend import PlanningBackend
-from optsched.inplace import fold_copy_back
-from optsched.restore_ops import restore_fused_pointwise
-from optsched.scalar_batching import batch_scalar_foreach, batch_scalar_ops
+from optsched.capture.backend import PlanningBackend
+from optsched.passes.inplace import fold_copy_back
+from optsched.passes.restore_ops import restore_fused_pointwise
+from optsched.passes.scalar_batching import batch_scalar_foreach, batch_scalar_ops
 from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from optsched.cli import build_parser, diff_report, input_specs, main
-from optsched.plan_file import load_plan
+from optsched.plans.file_format import load_plan
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -134,8 +134,8 @@ def test_timeline_writes_a_readable_png(plans, tmp_path, capsys):
 def test_timeline_of_a_downsampled_plan_with_offloads(plans, tmp_path):
     """More than 4,000 steps: the file keeps per-chunk maxima; offload spans and recompute steps
     keep their step indices."""
-    from optsched.plan_file import downsample
-    from optsched.timeline import plot_timeline
+    from optsched.plans.file_format import downsample
+    from optsched.cli.timeline import plot_timeline
 
     data = load_plan(plans["tight"]).data
     n, nf = 9000, 4000
@@ -318,12 +318,12 @@ def test_an_unwritable_output_is_one_line(tmp_path, capsys):
 def test_a_save_that_fails_after_planning_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
     import errno
 
-    import optsched.plan
+    import optsched.plans.plan
 
     def disk_full(data, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(optsched.plan, "write_plan_file", disk_full)
+    monkeypatch.setattr(optsched.plans.plan, "write_plan_file", disk_full)
     out = tmp_path / "out.json"
     assert main(["plan", "tests.models:mlp", "--inputs", "32x64", "--profile", "cpu", "--time-limit", "1",
                  "--no-progress", "-o", str(out)]) == 1
@@ -353,9 +353,9 @@ def test_dataclass_kwargs_become_the_config():
 
 def test_plan_end_to_end_writes_a_plan_file_for_the_graph_optimize_captures(plans, tmp_path):
     try:
-        import optsched.offline  # noqa: F401
+        import optsched.capture.offline  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"optsched.offline does not import yet ({e}); `optsched plan` needs it")
+        pytest.skip(f"optsched.capture.offline does not import yet ({e}); `optsched plan` needs it")
     out_path = tmp_path / "offline.json"
     out = _run("plan", "benchmarks.models.gpt:build", "--kwargs", '{"cfg": {"n_layer": 2}}',
                "--inputs", "8x128:int64,8x128:int64", "--budget", "50%", "--no-offload", "--time-limit", "3",

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from optsched.foreach_split import SPLITTABLE, single_op, split_foreach
+from optsched.passes.foreach_split import SPLITTABLE, single_op, split_foreach
 
 aten = torch.ops.aten
 SHAPES = [(4, 3), (5,), (2, 2, 2)]

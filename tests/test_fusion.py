@@ -14,7 +14,7 @@ from benchmarks.models import gpt
 from benchmarks.models.seed_functions import make_inputs, memory_peak_efficient_func, memory_peak_inefficient_func
 from optsched.measure import live_bytes, measure_peak, measure_training_step
 from optsched.solvers import Phase, default_schedule, simulate
-from optsched.solvers.fusion import check_group, fuse_ops
+from optsched.solvers.search.fusion_groups import check_group, fuse_ops
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.models import gpt_with_eager
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optsched.solvers import Phase
-from optsched.solvers.fusion import check_group, find_groups, fuse_ops, internal_tensors
-from optsched.solvers.problem import Op, Problem, Tensor
+from optsched.solvers.search.fusion_groups import check_group, find_groups, fuse_ops, internal_tensors
+from optsched.solvers.model.problem import Op, Problem, Tensor
 
 KB = 1024
 

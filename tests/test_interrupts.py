@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from optsched.solvers import cpsat_common
-from optsched.solvers.cpsat_common import SOLVER_THREAD
-from optsched.solvers.cpsat_remat import solve_remat
-from optsched.solvers.problem import default_schedule
-from optsched.solvers.simulator import simulate
+from optsched.solvers.cpsat import common as cpsat_common
+from optsched.solvers.cpsat.common import SOLVER_THREAD
+from optsched.solvers.cpsat.remat import solve_remat
+from optsched.solvers.model.problem import default_schedule
+from optsched.solvers.model.simulator import simulate
 from optsched.solvers.synthetic import chain_training_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,9 +99,9 @@ def test_a_solve_that_is_not_interrupted_returns_its_result():
 
 def test_every_cp_sat_solve_goes_through_run_solver():
     """A direct `solver.Solve(...)` would let CP-SAT catch Ctrl-C again."""
-    folder = Path(cpsat_common.__file__).parent
-    for path in sorted(folder.glob("*.py")):
-        if path.name == "cpsat_common.py":
+    folder = Path(cpsat_common.__file__).parents[1]  # solvers/
+    for path in sorted(folder.rglob("*.py")):
+        if path == Path(cpsat_common.__file__):
             continue
         text = path.read_text()
         assert not re.search(r"\.(Solve|solve|SolveWithSolutionCallback|SearchForAllSolutions)\(\s*(model|m\b)", text), (

@@ -65,7 +65,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optsched.executors.fusion_program import (
+from optsched.executors.nvfuser_program import (
     FUSIBLE_TARGETS,
     REPLAY_OPS,
     FusionProgram,

@@ -15,11 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import optsched
 from benchmarks.models import gpt, llama
-from optsched.costs import get_profile
-from optsched.fingerprint import fingerprint
+from optsched.costs.profiles import get_profile
+from optsched.capture.fingerprint import fingerprint
 from optsched.measure import measure_peak
-from optsched.offline import default_dtype, plan_offline
-from optsched.sdpa_prediction import _cuda_sdpa, predict_sdpa_backend
+from optsched.capture.offline import default_dtype, plan_offline
+from optsched.capture.sdpa_prediction import _cuda_sdpa, predict_sdpa_backend
 from tests import models
 
 TINY = llama.Config.from_name("tiny-llama")  # 2 layers, n_embd 128, grouped-query attention, bf16

@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import optsched
 from optsched.measure import measure_training_step
 from tests.models import gpt_with_eager
-from optsched.offload_runtime import OffloadDeviceError, OffloadRuntime, _ThreadCopies
+from optsched.lower.offload_runtime import OffloadDeviceError, OffloadRuntime, _ThreadCopies
 
 MiB = 2**20
 

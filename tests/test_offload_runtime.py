@@ -8,9 +8,9 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from optsched import offload_runtime
+from optsched.lower import offload_runtime
 from optsched.measure import measure_peak
-from optsched.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
+from optsched.lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from optsched.solvers import Schedule, ScheduleError, simulate
-from optsched.solvers.problem import default_schedule
+from optsched.solvers.model.problem import default_schedule
 from optsched.solvers.synthetic import chain_training_problem
 
 MB = 1 << 20

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from optsched.solvers import BudgetInfeasibleError, Schedule, default_schedule, simulate, solve
-from optsched.solvers.cpsat_bound import solve_bound_and_repair
-from optsched.solvers.offload import add_offloads, offload_all, prefetch_position
+from optsched.solvers.cpsat.bound import solve_bound_and_repair
+from optsched.solvers.search.offload import add_offloads, offload_all, prefetch_position
 from optsched.solvers.synthetic import chain_training_problem
 from tests.test_solvers import FUZZ, TIME_LIMIT_S, known_plans, training_problems
 

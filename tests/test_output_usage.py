@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import optsched
 from optsched.measure import measure_training_step
-from optsched.output_usage import OutputUsage
+from optsched.capture.output_usage import OutputUsage
 
 transformers = pytest.importorskip("transformers")
 

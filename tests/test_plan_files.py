@@ -14,7 +14,7 @@ import torch
 
 import optsched
 from benchmarks.models import gpt
-from optsched.plan_file import seal, write_plan_file
+from optsched.plans.file_format import seal, write_plan_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -180,7 +180,7 @@ def _mlp():
 
 
 def test_check_writable_probes_the_file_system_and_creates_nothing(tmp_path):
-    from optsched.plan_file import check_writable
+    from optsched.plans.file_format import check_writable
 
     assert check_writable(tmp_path / "p.json") is None
     assert check_writable(tmp_path / "new" / "deeper" / "p.json") is None
@@ -207,7 +207,7 @@ def test_an_unwritable_plan_path_is_a_plan_file_error_before_anything_is_planned
 def test_an_unwritable_plan_cache_warns_once_and_the_step_runs(tmp_path, monkeypatch):
     import warnings
 
-    from optsched import plan_file
+    from optsched.plans import file_format as plan_file
 
     monkeypatch.setattr(plan_file, "_reported_caches", set())
     cache = tmp_path / "a_file" / "cache"
@@ -231,12 +231,12 @@ def test_an_unwritable_plan_cache_warns_once_and_the_step_runs(tmp_path, monkeyp
 def test_a_save_that_fails_after_planning_warns_and_the_step_runs(tmp_path, monkeypatch):
     import errno
 
-    import optsched.plan
+    import optsched.plans.plan
 
     def disk_full(data, path):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(optsched.plan, "write_plan_file", disk_full)
+    monkeypatch.setattr(optsched.plans.plan, "write_plan_file", disk_full)
     model, inputs = _mlp()
     path = tmp_path / "p.json"
     opt = optsched.optimize(model, None, plan=path, time_limit_s=2)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from optsched.measure import _kineto_markers_dropped
+from optsched.costs.measure import _kineto_markers_dropped
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,15 +9,15 @@ import torch
 
 from optsched.api import capture_problem
 from optsched.solvers import BudgetInfeasibleError, simulate
-from optsched.solvers.cpsat_bound import solve_bound_and_repair
-from optsched.solvers.heuristics import place_recomputes, recompute_candidates
-from optsched.solvers.problem import default_schedule
+from optsched.solvers.cpsat.bound import solve_bound_and_repair
+from optsched.solvers.search.heuristics import place_recomputes, recompute_candidates
+from optsched.solvers.model.problem import default_schedule
 from optsched.solvers.progress import ProgressLine
 from optsched.solvers.synthetic import chain_training_problem
 
-solve_mod = __import__("optsched.solvers", fromlist=["solve"]).solve
+from optsched.solvers import solve as solve_mod
 
-solve_module = __import__("optsched.solvers.solve", fromlist=["_"])
+from optsched.solvers.search import strategy as solve_module
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +150,9 @@ def test_large_graph_order_strategy_matches_the_exact_order_on_the_seed_function
     windows: on the seed functions (small enough for the exact model) it must reach the
     exact optimum. The greedy order alone does not (it starts paths it cannot finish)."""
     from benchmarks.models.seed_functions import make_inputs, memory_peak_efficient_func, memory_peak_inefficient_func
-    from optsched.solvers.cpsat_order import solve_order
-    from optsched.solvers.heuristics import greedy_forward_order
-    from optsched.solvers.problem import Schedule
+    from optsched.solvers.cpsat.order import solve_order
+    from optsched.solvers.search.heuristics import greedy_forward_order
+    from optsched.solvers.model.problem import Schedule
 
     t0s, a = make_inputs()
     for fn in (memory_peak_efficient_func, memory_peak_inefficient_func):

@@ -31,10 +31,10 @@ from optsched.solvers import (
     simulate,
     solve,
 )
-from optsched.solvers.cpsat_bound import solve_bound_and_repair
-from optsched.solvers.cpsat_order import solve_order
-from optsched.solvers.cpsat_remat import solve_remat
-from optsched.solvers.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
+from optsched.solvers.cpsat.bound import solve_bound_and_repair
+from optsched.solvers.cpsat.order import solve_order
+from optsched.solvers.cpsat.remat import solve_remat
+from optsched.solvers.search.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -181,8 +181,8 @@ def inputs_bytes(problem: Problem) -> int:
 def test_solvers_import_without_torch():
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
-        "import solvers, solvers.solve, solvers.synthetic, solvers.heuristics, solvers.cpsat_order, "
-        "solvers.cpsat_remat, solvers.cpsat_window, solvers.reorder; "
+        "import solvers, solvers.search.strategy, solvers.synthetic, solvers.search.heuristics, solvers.cpsat.order, "
+        "solvers.cpsat.remat, solvers.cpsat.window, solvers.search.reorder; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code, str(REPO)], check=True, timeout=120)

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from ..fingerprint import structure_hash
+from ..capture.fingerprint import structure_hash
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "prod"}
 _CASTS = {"_to_copy", "clone"}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from optsched.executors.fusion_program import (
+from optsched.executors.nvfuser_program import (
     FusionProgram,
     Ref,
     TensorSpec,

@@ -1,0 +1,407 @@
+"""Plan a training step for a device this machine does not have, without the model's memory.
+
+`plan_offline(model_factory, inputs_factory, "60%", device_profile="h100")` builds the model
+and its example inputs inside a `FakeTensorMode`: every parameter, buffer and input is a
+FakeTensor (shape, dtype, strides, no data), so a model of gigabytes costs the planner the
+graph and the solver's memory (tens of MiB), not its tensors. The training step (forward, then backward of the scalar the module
+returns) is captured by AOTAutograd directly (no Dynamo, no torch.compile), planned with the
+named profile's roofline times (fake tensors cannot be timed), and never lowered: there is
+nothing to run here. The result is the same `Plan` `optimize` reports, fingerprint included,
+so `plan.save(path)` writes a plan file that `optimize(..., plan=path)` can replay on the
+device it was made for.
+
+The fake tensors are CPU tensors (AOTAutograd cannot trace the backward of fake CUDA tensors in a
+CPU-only build). For a CUDA profile the capture is made to be the GPU's graph anyway: devices do
+not enter the fingerprint (optsched.fingerprint), and `scaled_dot_product_attention`, the one op
+whose kernel depends on the device, calls the CUDA kernel the profile's GPU is predicted to pick
+(`predict_sdpa_backend`: cuDNN, flash, memory-efficient or math attention) instead of the CPU one.
+The prediction follows PyTorch's dispatch rules; if the GPU picks otherwise, `optimize` refuses
+the plan file with a fingerprint mismatch naming the attention node, never runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from .backend import DEFAULT_HOST_SHARE, PlanningBackend, physical_memory_bytes, prepare_inference
+from ..budget import parse_planning_options
+from ..costs.profiles import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
+from ..executors import NAMES as EXECUTORS
+from .joint_graph import build_joint_graph
+from ..plans.plan import Plan
+from .sdpa_prediction import CudaAttention
+
+__all__ = ["OfflineBackend", "capture_offline", "default_dtype", "plan_offline"]
+
+
+class _Planned(Exception):
+    """Raised from AOTAutograd's hooks once the plan is made: nothing is partitioned or compiled."""
+
+
+class _PlanOnlyExecutor:
+    """An executor's fusion rules without its compiler: groups are planned (roofline time) but never built.
+
+    Planning for nvFuser needs neither nvFuser nor a CUDA device: its fusibility rules are applied
+    to the graph's ops as if they ran on CUDA.
+    """
+
+    fuses_writes = False
+
+    def __init__(self, name: str | None, profile: DeviceProfile):
+        name = (name or "eager").lower()
+        if name == "eager":
+            from ..executors import EagerExecutor
+
+            self._can_fuse = EagerExecutor().can_fuse
+        elif name == "inductor":
+            from ..executors import InductorExecutor
+
+            self._can_fuse = InductorExecutor().can_fuse
+            self.fuses_writes = True
+        elif name == "nvfuser":
+            if profile.device_type != "cuda":
+                raise ValueError(f"the nvfuser executor runs on CUDA devices only; profile {profile.name!r} is not one")
+            from ..executors.nvfuser import node_is_fusible
+
+            self._can_fuse = lambda node: node_is_fusible(node, require_cuda=False)
+        else:
+            raise ValueError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+        self.name = name
+
+    def can_fuse(self, node: fx.Node) -> bool:
+        return self._can_fuse(node)
+
+    def compile_group(self, gm: fx.GraphModule, example_inputs) -> Callable[..., tuple]:
+        def not_runnable(*_args):
+            raise RuntimeError("an offline plan's fusion groups are not compiled: replay the plan file with optimize()")
+
+        return not_runnable
+
+
+# Only in a cpu-profile capture (or an attention call no CUDA kernel was predicted for): the CPU kernel,
+# which torch's FLOP registry has no formula for -> the CUDA kernel whose formula applies (operands:
+# grad_out?, q, k, v, ...). A CUDA-profile capture holds the CUDA kernels, which have formulas.
+_CPU_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu": ("_scaled_dot_product_flash_attention", 3),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": ("_scaled_dot_product_flash_attention_backward", 4),
+}
+
+
+def _attention_time(node: fx.Node, stands_for: tuple[str, int], profile: DeviceProfile) -> float:
+    """`costs.node_time`'s roofline with the FLOPs of the CUDA kernel `stands_for`."""
+    name, n_operands = stands_for
+    formula = flop_registry.get(getattr(torch.ops.aten, name))
+    operands = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args[:n_operands]]
+    flops = int(formula(*operands)) if formula is not None else 0
+    out = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    half = bool(out) and out[0].dtype in (torch.float16, torch.bfloat16)
+    rate = profile.half_flops if half else profile.fp32_flops
+    return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s
+
+
+class OfflineBackend(PlanningBackend):
+    """PlanningBackend that plans and stops: roofline times of a named profile, no lowering.
+
+    `PlanningBackend.__call__` (the torch.compile entry) sets up device, timing, profile,
+    offload, host budget and executor from the example inputs; here they come from the
+    profile alone, and AOTAutograd is called by `capture_offline`, not by Dynamo.
+    """
+
+    def __init__(self, budget, device_profile, time_limit_s, on_plan, progress=False, offload=None,
+                 host_budget=None, executor=None):
+        super().__init__(budget, device_profile, time_limit_s, on_plan, progress, offload, host_budget, executor)
+        if device_profile == "measured":
+            raise ValueError("offline planning cannot measure op times (the tensors are fake): name a device profile")
+        self.profile = get_profile(device_profile or "h100")
+        self.measure = False
+        # Only compile_groups makes tensors on this device (example inputs for group compilers, which
+        # offline executors ignore): on "meta" they take no memory.
+        self.device = torch.device("meta")
+        self.offload = self.profile.device_type == "cuda" if offload is None else offload
+        physical = physical_memory_bytes()
+        self.host_budget_bytes = (
+            host_budget.resolve(physical) if host_budget is not None and host_budget.spec is not None
+            else int(DEFAULT_HOST_SHARE * physical)
+        )
+        self.executor = _PlanOnlyExecutor(executor, self.profile)
+        # wall times: capture_s (building the fake module and inputs, tracing the joint graph) and
+        # plan_s (problem, solve, fingerprint); `start` is set by capture_offline
+        self.timings: dict[str, float] = {}
+
+    def __call__(self, gm, example_inputs):  # pragma: no cover - not a torch.compile backend
+        raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.offline.plan_offline")
+
+    def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
+        """Roofline times (as `build_problem` makes them without measurements), except for the CPU
+        attention kernels a cpu-profile capture contains: torch's FLOP registry has no formula for
+        them, so the roofline would count only their bytes. They get the formula of the CUDA flash
+        kernel (same operands). A CUDA-profile capture holds the CUDA kernels themselves (see
+        `sdpa_prediction.CudaAttention`), costed by their own formulas; nothing is overridden then."""
+        times = {}
+        for node in jg.compute:
+            stands_for = _CPU_ATTENTION.get(getattr(getattr(node.target, "overloadpacket", None), "__name__", ""))
+            if stands_for is not None and node_flops(node) == 0:
+                times[node.name] = _attention_time(node, stands_for, self.profile)
+        return NodeCosts(times, {}, {}) if times else None
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        self._captured()
+        jg = build_joint_graph(joint, num_fwd_outputs)
+        self._planned(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
+        self._done()
+
+    def _inference(self, gm: fx.GraphModule, example_inputs):
+        self._captured()
+        prepare_inference(gm, split_foreach=self.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
+        jg = build_joint_graph(gm, None)
+        self._planned(gm, jg, "forward")
+        self._done()
+
+    def _captured(self) -> None:
+        self.timings["capture_s"] = time.perf_counter() - self.timings.get("start", time.perf_counter())
+        self._planning_started = time.perf_counter()
+
+    def elapsed(self) -> dict[str, float]:
+        """capture_s and plan_s so far (plan_s until now if planning has not returned)."""
+        out = {k: v for k, v in self.timings.items() if k in ("capture_s", "plan_s")}
+        if "capture_s" in out and "plan_s" not in out:
+            out["plan_s"] = time.perf_counter() - self._planning_started
+        return out
+
+    def _done(self):
+        self.timings["plan_s"] = time.perf_counter() - self._planning_started
+        raise _Planned
+
+
+class _FirstUse(TorchFunctionMode):
+    """Records the order in which the watched tensors are first handed to a torch function
+    (method calls and attribute reads such as `x.shape` included). Within one call, the
+    module's own tensors (`early`) count first: Dynamo wraps a parameter when the forward
+    reads the attribute, before the call, and an argument only at the call."""
+
+    def __init__(self, watched: list[torch.Tensor], early: set[int]):
+        super().__init__()
+        self.index = {id(t): i for i, t in enumerate(watched)}
+        self.early = early
+        self.order: list[int] = []
+        self._seen: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        new = []
+        for a in tree_leaves((args, kwargs)):
+            i = self.index.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if i is not None and i not in self._seen:
+                self._seen.add(i)
+                new.append(i)
+        self.order += sorted(new, key=lambda i: i not in self.early)  # stable: argument order otherwise
+        return func(*args, **kwargs)
+
+
+class _FlatStep(torch.nn.Module):
+    """The step as a function of its tensors only, in a chosen order: `forward(*flat)` puts each
+    into its place (a parameter or buffer by name, or a positional argument) and calls the module
+    through `torch.func.functional_call`. Tensors not in `flat` stay the module's own (or the
+    example argument) and, unused, never reach the graph. Returns a tuple (AOTAutograd's format)."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, slots: list[tuple[str, str | int]]):
+        super().__init__()
+        object.__setattr__(self, "_module", module)  # not a submodule: its tensors are inputs, not ours
+        self._args = args
+        self._slots = slots
+
+    def forward(self, *flat):
+        state, args = {}, list(self._args)
+        for value, (kind, key) in zip(flat, self._slots):
+            if kind == "state":
+                state[key] = value
+            else:
+                args[key] = value
+        out = torch.func.functional_call(self._module, state, tuple(args))
+        return out if isinstance(out, tuple) else (out,)
+
+
+def _dynamo_order(module: torch.nn.Module, args: tuple) -> tuple[list, list[tuple[str, str | int]]]:
+    """The step's tensors (parameters, buffers, tensor arguments) in the order Dynamo makes them
+    graph inputs: the order in which the forward first uses them (Dynamo wraps inputs and
+    parameters lazily, when first used). Unused ones are left out, as Dynamo leaves them out.
+    This makes the captured graph the one `optimize` captures, so the fingerprints agree."""
+    candidates: list[tuple[torch.Tensor, tuple[str, str | int]]] = []
+    seen: set[int] = set()
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:  # tied: the first name only
+        if id(t) not in seen:
+            seen.add(id(t))
+            candidates.append((t, ("state", name)))
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            candidates.append((a, ("arg", i)))
+    early = {i for i, (_t, (kind, _key)) in enumerate(candidates) if kind == "state"}
+    recorder = _FirstUse([t for t, _ in candidates], early)
+    with recorder:
+        module(*args)
+    used = [candidates[i] for i in recorder.order]
+    return [t for t, _ in used], [slot for _, slot in used]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Layers built inside get floating parameters of `dtype` (torch.set_default_dtype, restored on exit):
+    the way to build a bf16 model in a model_factory, where Module.to(dtype) does not work."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def _compiling():
+    """torch.compiler.is_compiling() is True inside (torch.export's non-strict tracing does the same)."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag  # pragma: no cover - older torch
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+def _fake_inputs(mode: FakeTensorMode, inputs) -> tuple:
+    if isinstance(inputs, (torch.Tensor,)) or not isinstance(inputs, (tuple, list)):
+        raise TypeError(f"inputs_factory must return a tuple of positional arguments, got {type(inputs).__name__}")
+    return tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                 for x in inputs)
+
+
+def _check_fake(module: torch.nn.Module) -> None:
+    real = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if not isinstance(t, FakeTensor)]
+    if real:
+        raise ValueError(
+            f"model_factory returned a module with real tensors ({', '.join(real[:3])}{', ...' if len(real) > 3 else ''}): "
+            "it must build the module when called (it runs under FakeTensorMode), e.g. lambda: GPT(config), "
+            "not return one built before"
+        )
+
+
+def capture_offline(model_factory: Callable[[], torch.nn.Module], inputs_factory: Callable[[], tuple],
+                    backend: OfflineBackend) -> None:
+    """Build the module and inputs as fake tensors and run AOTAutograd's capture with `backend`'s hooks.
+
+    The backend plans in its partition hook (training: some input requires grad) or its
+    inference compiler (forward only) and reports the plan through its `on_plan`. With a CUDA
+    profile, `F.scaled_dot_product_attention` is captured as the CUDA kernel predicted for the
+    profile's GPU (`sdpa_prediction.predict_sdpa_backend`); with the cpu profile as the CPU kernel.
+    """
+    backend.timings["start"] = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):  # factories that seed leave the caller's random stream alone
+        _capture(model_factory, inputs_factory, backend)
+
+
+def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        try:
+            module = model_factory()
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{e}: converting a module's parameters (Module.to(dtype), .half(), .bfloat16(), ...) fails "
+                "under FakeTensorMode (torch.utils.swap_tensors refuses fake parameters, which the fake mode "
+                "holds weak references to). Build the module in its dtype instead: pass dtype= to its layers, "
+                "or wrap the construction in optsched.offline.default_dtype(torch.bfloat16)"
+            ) from e
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"model_factory must return an nn.Module, got {type(module).__name__}")
+        inputs = _fake_inputs(mode, inputs_factory())
+    _check_fake(module)
+    # The forward sees a tracer, as under torch.compile: code that branches on data unless
+    # torch.compiler.is_compiling() (transformers' mask helpers, for one) takes the traceable path.
+    # On a CUDA profile, attention is captured as the GPU's kernel (see sdpa_prediction.CudaAttention), not the CPU one.
+    attention = CudaAttention(backend.profile) if backend.profile.device_type == "cuda" else contextlib.nullcontext()
+    with mode, torch.enable_grad(), _compiling():
+        flat, slots = _dynamo_order(module, inputs)
+        try:
+            with attention:
+                aot_module_simplified(
+                    _FlatStep(module, inputs, slots), flat,
+                    fw_compiler=backend._compile, bw_compiler=backend._compile,
+                    inference_compiler=backend._inference, partition_fn=backend._partition,
+                    keep_inference_input_mutations=True,
+                )
+        except _Planned:
+            return
+    raise RuntimeError("AOTAutograd returned without calling the planner")  # pragma: no cover
+
+
+def plan_offline(
+    model_factory: Callable[[], torch.nn.Module],
+    inputs_factory: Callable[[], tuple],
+    mem_budget: int | float | str | None = None,
+    *,
+    device_profile: str | DeviceProfile = "h100",
+    executor: str | None = None,
+    offload: bool | None = None,
+    time_limit_s: float | None = None,
+    progress: bool = False,
+    host_budget: int | str | None = None,
+    timings: dict | None = None,
+) -> Plan:
+    """Plan one training step of `model_factory()` on `inputs_factory()` for `device_profile`,
+    allocating none of the model's tensors.
+
+    model_factory: builds the module; called under FakeTensorMode, so it must construct it (not
+    return one made before). Its forward takes the inputs and returns the loss (a scalar): the
+    plan covers that forward and the backward of the loss. With no parameter or input requiring
+    grad, it is a forward-only plan.
+    inputs_factory: returns the forward's positional arguments (also made under FakeTensorMode).
+    mem_budget: as in `optimize`: bytes, "60GB", "60%" of the unplanned peak, or None.
+    device_profile: a GPU profile name ("a100", "h100", "h200"), "cpu" or a DeviceProfile; op times
+    are its roofline (nothing can be timed). With a CUDA profile the graph is the one a CUDA
+    capture is predicted to give: `F.scaled_dot_product_attention` becomes the fused kernel
+    PyTorch's SDPA dispatcher is predicted to pick on that GPU (`predict_sdpa_backend`: on
+    h100/h200 cuDNN attention for fp16/bf16 with head dims up to 128, else flash attention for
+    fp16/bf16 without a mask, memory-efficient attention for fp32 or with a mask, the math
+    composite when no fused kernel fits), with its backward. This is a prediction (the GPU
+    process decides from its cuDNN version and SDPA flags: turn the same backends off here, e.g.
+    with torch.nn.attention.sdpa_kernel, as in the training process); a wrong one makes optimize
+    refuse the plan file (fingerprint mismatch), never run it. Not predicted, left as the CPU
+    kernel: nested tensors, enable_gqa with fewer key/value heads, and SDPA called inside another
+    overridable torch function (nn.MultiheadAttention). With "cpu" the graph is the CPU capture's.
+    executor: "eager" (default), "inductor" or "nvfuser": whose fusion rules form fusion groups
+    (nothing is compiled; a group's time is its roofline).
+    offload: None (default) allows offloading when the profile is a CUDA device.
+    host_budget: host memory offloads may take (default: half of this machine's memory).
+    timings: a dict to fill with wall times: capture_s (building the fake module and inputs,
+    tracing the joint graph), plan_s (problem, solve, fingerprint).
+
+    Returns the Plan (`plan.fingerprint` set, `plan.save(path)` writes a plan file). Raises
+    BudgetInfeasibleError when no plan meets the budget.
+    """
+    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
+    if not callable(model_factory) or not callable(inputs_factory):
+        raise TypeError("plan_offline(model_factory, inputs_factory, ...) takes two callables")
+    plans: list[Plan] = []
+    backend = OfflineBackend(budget, device_profile, time_limit_s, plans.append, progress, offload, host, executor)
+    try:
+        capture_offline(model_factory, inputs_factory, backend)
+    finally:  # an infeasible budget has timings too
+        if timings is not None:
+            timings.update(backend.elapsed())
+    return plans[-1]

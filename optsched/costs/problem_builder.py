@@ -1,0 +1,335 @@
+"""Turn a captured graph plus a device profile into a torch-free `Problem`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .profiles import DeviceProfile, NodeCosts, node_time
+from ..capture.joint_graph import JointGraph
+from ..passes.op_variants import inplace_foreach, out_variant
+from ..capture.output_usage import OutputUsage, tangent_outputs
+from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
+
+_SDPA = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+}
+
+
+@dataclass
+class Built:
+    problem: Problem
+    nodes: list[fx.Node]  # op id -> compute node
+
+
+def _dropout_p(node: fx.Node) -> float:
+    schema = node.target._schema
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                return float(node.kwargs[arg.name])
+            return float(node.args[i]) if i < len(node.args) else float(arg.default_value or 0.0)
+    return 0.0
+
+
+def is_recomputable(node: fx.Node) -> bool:
+    """Deterministic, non-mutating ops only: recomputing a random op would change its values."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        # attention kernels carry the tag for their dropout; without dropout they are deterministic
+        return target.overloadpacket.__name__ in _SDPA and _dropout_p(node) == 0.0
+    return True
+
+
+def reuse_candidates(jg: JointGraph) -> dict[str, fx.Node | list[fx.Node]]:
+    """Per compute node that could write into dying inputs, what to test its out= form on: the first
+    such input, or for a foreach op the list it would update in place."""
+    out: dict[str, fx.Node | list[fx.Node]] = {}
+    for node in jg.compute:
+        if is_foreach_reuse(node):
+            if _foreach_reuse_pairs(jg, node):
+                out[node.name] = list(node.args[0])
+            continue
+        pairs = _reuse_pairs(jg, node, jg.outputs_of[node])
+        if pairs:
+            out[node.name] = pairs[0][2]
+    return out
+
+
+def is_foreach_reuse(node: fx.Node) -> bool:
+    """A functional foreach op whose in-place twin updates its first list: it reuses that list or nothing."""
+    return inplace_foreach(node.target) is not None and bool(node.args) and isinstance(node.args[0], (list, tuple))
+
+
+def _fits(jg: JointGraph, a: fx.Node, out: int, out_val: torch.Tensor) -> int | None:
+    """`a`'s storage when `out` (of value `out_val`) could be written into it: an activation of the same
+    layout, covering the whole storage."""
+    v = a.meta.get("val")
+    s = jg.storage_of.get(a)
+    if (
+        isinstance(v, torch.Tensor)
+        and s is not None
+        and jg.storages[s].kind is TensorKind.ACTIVATION
+        and v.shape == out_val.shape
+        and v.dtype == out_val.dtype
+        and v.stride() == out_val.stride()
+        and v.storage_offset() == 0
+        and jg.storages[s].nbytes == jg.storages[out].nbytes == v.numel() * v.element_size()
+    ):
+        return s
+    return None
+
+
+def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> list[tuple[int, int, fx.Node]]:
+    """Inputs whose storage this op could write its output into: same layout, covering the whole storage."""
+    if len(outs) != 1 or out_variant(node.target) is None:
+        return []
+    pairs = []
+    for a in node.all_input_nodes:
+        s = _fits(jg, a, outs[0], node.meta["val"])
+        if s is not None:
+            pairs.append((outs[0], s, a))
+    return pairs
+
+
+def _foreach_reuse_pairs(jg: JointGraph, node: fx.Node) -> list[tuple[int, int]]:
+    """(output i, first list's element i) for every output, when the in-place twin can write them all:
+    each element fits its output, the elements' storages are distinct, and no other argument reads them."""
+    xs = list(node.args[0])
+    items = jg.getitems.get(node, [])
+    if [g.args[1] for g in items] != list(range(len(xs))) or not all(isinstance(x, fx.Node) for x in xs):
+        return []  # an unread output would still overwrite its element, which may be alive
+    pairs = []
+    for x, g in zip(xs, items, strict=True):
+        out = jg.storage_of.get(g)
+        s = _fits(jg, x, out, g.meta.get("val")) if out is not None and isinstance(g.meta.get("val"), torch.Tensor) else None
+        if s is None:
+            return []
+        pairs.append((out, s))
+    written = {s for _, s in pairs}
+    others: set[int] = set()
+    fx.node.map_arg((node.args[1:], node.kwargs), lambda a: others.update(jg.node_storages(a)))
+    if len(written) != len(pairs) or written & others:
+        return []
+    return pairs
+
+
+def _reuse(jg: JointGraph, node: fx.Node, outs: list[int]) -> tuple[tuple[int, int], ...]:
+    if is_foreach_reuse(node):
+        return tuple(_foreach_reuse_pairs(jg, node))
+    return tuple((o, i) for o, i, _ in _reuse_pairs(jg, node, outs))
+
+
+def _dense(v: torch.Tensor) -> bool:
+    """Its elements tile a block of numel elements exactly: some permutation of it is contiguous."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(v.shape, v.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def offloadable_storages(jg: JointGraph) -> set[int]:
+    """Activations one strided copy can move whole: their only non-view holder covers the storage densely."""
+    holders: dict[int, int] = {}
+    for node, s in jg.storage_of.items():
+        if not jg.is_view(node):
+            holders[s] = holders.get(s, 0) + 1
+    out = set()
+    for s in jg.storages:
+        v = s.node.meta.get("val")
+        if (
+            s.kind is TensorKind.ACTIVATION
+            and holders.get(s.index) == 1
+            and isinstance(v, torch.Tensor)
+            and v.storage_offset() == 0
+            and _dense(v)
+            and v.numel() * v.element_size() == s.nbytes
+        ):
+            out.add(s.index)
+    return out
+
+
+def written_storages(jg: JointGraph, node: fx.Node) -> list[int]:
+    """Storages a mutating op writes (its arguments the schema marks as written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out: list[int] = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+        for a in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(a, fx.Node):
+                out += jg.node_storages(a)
+    return out
+
+
+def order_writes(jg: JointGraph, nodes: list[fx.Node], ops: list[Op], tensors: list[Tensor]) -> tuple[list[Op], list[Tensor]]:
+    """Keep every write into a storage between the reads it must follow and the reads that must see it.
+
+    Storages are how the problem orders ops, and a write allocates nothing, so without this
+    the planner could move a write before a read of the old value. Each write reads a 0-byte
+    token from every op that touched the storage since the previous write, and makes a token
+    every later reader takes. An op that reads a storage written after it is not recomputed:
+    its recomputation would read the new value.
+    """
+    writes = [set(written_storages(jg, n)) for n in nodes]
+    if not any(writes):
+        return ops, tensors
+    extra_in: dict[int, list[int]] = {}
+    extra_out: dict[int, list[int]] = {}
+    tensors = list(tensors)
+
+    def token(op_id: int) -> int:
+        t = Tensor(len(tensors), f"{ops[op_id].name}.order{len(extra_out.get(op_id, []))}", 0, TensorKind.ACTIVATION,
+                   op_id, offloadable=False)
+        tensors.append(t)
+        extra_out.setdefault(op_id, []).append(t.id)
+        return t.id
+
+    written = set().union(*writes)
+    last_write: dict[int, int] = {}  # storage -> token of its latest write
+    since: dict[int, list[int]] = {s: [] for s in written}  # storage -> ops that read it since that write
+    read_then_written: set[int] = set()
+    for op in ops:
+        touched = [s for s in op.inputs if s in written]
+        for s in set(touched) | writes[op.id]:
+            if s in last_write:
+                extra_in.setdefault(op.id, []).append(last_write[s])
+        for s in writes[op.id]:
+            for r in since[s]:
+                if r != op.id:
+                    extra_in.setdefault(op.id, []).append(token(r))
+                    read_then_written.add(r)
+            since[s] = []
+            last_write[s] = token(op.id)
+        for s in touched:
+            if s not in writes[op.id]:
+                since[s].append(op.id)
+    new_ops = [
+        dataclasses.replace(
+            op,
+            inputs=tuple(dict.fromkeys(op.inputs + tuple(extra_in.get(op.id, ())))),
+            outputs=op.outputs + tuple(extra_out.get(op.id, ())),
+            recomputable=op.recomputable and op.id not in read_then_written,
+        )
+        for op in ops
+    ]
+    return new_ops, tensors
+
+
+def build_problem(
+    jg: JointGraph,
+    profile: DeviceProfile,
+    name: str = "step",
+    measured: NodeCosts | None = None,
+    offload: bool = False,
+    host_budget_bytes: int | None = None,
+    usage: OutputUsage | None = None,
+) -> Built:
+    """Ops in program order (forward, then backward).
+
+    With `measured` (from running the graph on the device), op times, kernel scratch
+    space and in-place out= forms come from there. Without it times are the profile's
+    roofline, scratch space is unknown (0) and no op writes into its inputs, since
+    nothing verified that its out= form does so without a temporary.
+    `offload`: activations may go to host memory at the profile's host bandwidth.
+    `usage`: which forward outputs the caller differentiates and holds through the backward
+    (training only; None: all of them, as the program alone would suggest).
+    """
+    held, returned = caller_outputs(jg, usage)
+    movable = offloadable_storages(jg) - returned  # the caller holds those until the forward ends
+    tangent_bytes = _tangent_bytes(jg, usage)
+    tensors = [
+        Tensor(s.index, s.node.name, tangent_bytes.get(s.index, s.nbytes), s.kind, offloadable=s.index in movable)
+        for s in jg.storages
+    ]
+    ops: list[Op] = []
+    nodes: list[fx.Node] = []
+    order = [n for n in jg.compute if jg.phase[n] is Phase.FW] + [n for n in jg.compute if jg.phase[n] is Phase.BW]
+    for node in order:
+        oid = len(ops)
+        outs = jg.outputs_of[node]
+        for s in outs:
+            tensors[s] = dataclasses.replace(tensors[s], producer=oid)
+        reads = tuple(s for s in jg.arg_storages(node) if s not in outs)
+        ops.append(
+            Op(
+                id=oid,
+                name=node.name,
+                phase=jg.phase[node],
+                inputs=reads,
+                outputs=tuple(outs),
+                time_s=measured.times[node.name] if measured and node.name in measured.times else node_time(node, profile),
+                recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
+                reuse=_reuse(jg, node, outs) if measured and measured.reuse_ok.get(node.name) else (),
+                reuse_all=is_foreach_reuse(node),
+                workspace_bytes=measured.workspace.get(node.name, 0) if measured else 0,
+            )
+        )
+        nodes.append(node)
+    ops, tensors = order_writes(jg, nodes, ops, tensors)
+    caller = caller_loss_bytes(jg, usage)
+    if caller:
+        tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False)]
+    problem = Problem(
+        ops, tensors, frozenset(held), returned=frozenset(returned), name=name,
+        host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,
+    )
+    return Built(problem, nodes)
+
+
+def caller_outputs(jg: JointGraph, usage: OutputUsage | None) -> tuple[set[int], set[int]]:
+    """Storages the caller holds to the end of the step (gradients, and forward outputs it keeps
+    through the backward), and forward outputs it drops once the forward returns."""
+    held: set[int] = set()
+    returned: set[int] = set()
+    for i, o in enumerate(jg.fw_outputs):
+        if isinstance(o, fx.Node):
+            keep = usage is None or i >= len(usage.held) or usage.held[i]
+            (held if keep else returned).update(jg.node_storages(o))
+    for o in jg.bw_outputs:
+        if isinstance(o, fx.Node):
+            held.update(jg.node_storages(o))
+    return held, returned - held
+
+
+def _tangent_bytes(jg: JointGraph, usage: OutputUsage | None) -> dict[int, int]:
+    """A tangent of an output no gradient flows into is a zero broadcast from one element
+    (`output_usage.fill_missing_tangents`): it takes one element's bytes."""
+    if usage is None:
+        return {}
+    out = {}
+    for t, i in zip(jg.tangents, tangent_outputs(jg.gm, jg.tangents)):
+        v = t.meta.get("val")
+        if i is not None and i < len(usage.grad) and not usage.grad[i] and isinstance(v, torch.Tensor) and t in jg.storage_of:
+            out[jg.storage_of[t]] = v.element_size()
+    return out
+
+
+def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None) -> int:
+    """An estimate of what the caller holds between our forward and backward while it computes a loss
+    from non-scalar outputs it differentiates, besides the gradient it hands us: two intermediates of each
+    one's size (cross-entropy keeps its log-softmax while its backward makes the gradient that goes into it;
+    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here."""
+    if usage is None or not jg.is_training:
+        return 0
+    total = 0
+    for i, o in enumerate(jg.fw_outputs):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
+            total += 2 * v.numel() * v.element_size()
+    return total

@@ -1,0 +1,312 @@
+"""Lower a schedule back into executable fx programs.
+
+Forward: primals -> (*forward outputs, *saved). Backward: (*saved, *tangents) ->
+gradients, with each recomputed op emitted where the schedule puts it (just
+before its first use). Both run in the planned order. fx frees every value right
+after its last use; the boxed calling convention (the callee receives the list of
+arguments and clears it) lets saved tensors die inside the backward too.
+
+Views allocate nothing, so they are not scheduled: each program re-emits a view
+where it is first needed, from whatever holds its base there.
+
+Offloaded activations go through an OffloadRuntime, called from both programs at
+the steps the simulator timed: the forward starts the copy out right after the
+producer and drops the device copy at its release step, then hands the host copy
+to the backward as a saved tensor; the backward issues the copy back at the
+prefetch step and waits for it just before the first reader.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
+
+from ..executors.groups import Group
+from ..capture.joint_graph import JointGraph
+from .offload_runtime import OffloadRuntime, SlotSpec
+from ..passes.op_variants import inplace_foreach, out_variant
+from ..costs.problem_builder import is_foreach_reuse
+from ..solvers.model.offload_sim import OffloadEvent
+from ..solvers.model.problem import Problem, Schedule
+
+try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+except ImportError:  # pragma: no cover
+    SavedForBackwardsAOTOutput = None
+
+
+class _Program:
+    """One fx graph under construction, resolving original nodes to new ones on demand."""
+
+    def __init__(self, jg: JointGraph, resolve_missing: Callable[[fx.Node], fx.Node]):
+        self.jg = jg
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.resolve_missing = resolve_missing
+
+    def placeholder(self, node: fx.Node) -> fx.Node:
+        new = self.graph.placeholder(node.name)
+        new.meta = dict(node.meta)
+        self.env[node] = new
+        return new
+
+    def value(self, node: fx.Node) -> fx.Node:
+        if node in self.env:
+            return self.env[node]
+        if node.op == "get_attr":  # a constant of the captured module, which roots the lowered one
+            new = self.graph.get_attr(node.target)
+            new.meta = dict(node.meta)
+            self.env[node] = new
+            return new
+        if self.jg.is_view(node):
+            for a in node.all_input_nodes:
+                self.value(a)
+            return self._copy(node)
+        if node.target is operator.getitem and node.args[0] in self.env:
+            return self._copy(node)
+        return self.resolve_missing(node)
+
+    def emit(self, node: fx.Node | Group, into: int | None = None) -> None:
+        """Emit a compute node and, at once, every getitem of it (so no tuple outlives its items),
+        or a fusion group as one call to its kernel.
+
+        `into`: a storage, read by this node and dead after it, to write the output into.
+        """
+        if isinstance(node, Group):
+            self._emit_group(node)
+            return
+        for a in node.all_input_nodes:
+            self.value(a)
+        if into is None:
+            self._copy(node)
+        elif is_foreach_reuse(node):
+            self._emit_foreach_in_place(node)
+            return
+        else:
+            self._emit_into(node, into)
+        for g in self.jg.getitems.get(node, []):
+            self._copy(g)
+
+    def _emit_foreach_in_place(self, node: fx.Node) -> None:
+        """The foreach op's in-place twin on its first list (all dying here): output i is element i."""
+        xs = [self.value(x) for x in node.args[0]]
+        args = (xs, *fx.map_arg(node.args[1:], self.value))
+        new = self.graph.call_function(inplace_foreach(node.target), args, fx.map_arg(node.kwargs, self.value))
+        new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        for g, x in zip(self.jg.getitems.get(node, []), xs, strict=True):
+            self.env[g] = x
+
+    def _emit_group(self, group: Group) -> None:
+        args = tuple(self.value(n) for n in group.inputs)
+        call = self.graph.call_function(group.kernel, args)
+        call.meta["fusion_group"] = group  # what the kernel computes and writes, for readers of the program
+        for i, out in enumerate(group.outputs):
+            item = self.graph.call_function(operator.getitem, (call, i))
+            item.meta = dict(out.meta)
+            self.env[out] = item
+        for member, dest in group.writes.items():
+            self.env[member] = self.value(dest)
+
+    def _emit_into(self, node: fx.Node, storage: int) -> None:
+        overload, out_name = out_variant(node.target)
+        dest = next(a for a in node.all_input_nodes if self.jg.storage_of.get(a) == storage)
+        args = fx.map_arg(node.args, self.value)
+        kwargs = {**fx.map_arg(node.kwargs, self.value), out_name: self.value(dest)}
+        new = self.graph.call_function(overload, args, kwargs)
+        new.meta = dict(node.meta)
+        self.env[node] = new
+
+    def _copy(self, node: fx.Node) -> fx.Node:
+        new = self.graph.node_copy(node, lambda a: self.value(a))
+        self.env[node] = new
+        return new
+
+    def output(self, values: list, descs: list | None) -> None:
+        """`values`: original nodes (resolved here), nodes of this program, or constants."""
+        out = self.graph.output(
+            tuple(self.value(v) if isinstance(v, fx.Node) and v.graph is not self.graph else v for v in values)
+        )
+        if descs is not None and len(descs) == len(values):
+            out.meta["desc"] = descs
+
+
+def _output_descs(jg: JointGraph) -> list:
+    (out,) = jg.gm.graph.find_nodes(op="output")
+    descs = out.meta.get("desc")
+    return list(descs) if isinstance(descs, (list, tuple)) else []
+
+
+def lower_inference(
+    jg: JointGraph, built_nodes: list[fx.Node | Group], schedule: Schedule, reused: dict[int, int]
+) -> fx.GraphModule:
+    """A forward-only program in the planned order."""
+    prog, _host = _forward(jg, built_nodes, schedule, reused)
+    prog.output(jg.fw_outputs, _output_descs(jg) or None)
+    return _module(jg, prog.graph)
+
+
+def _forward(
+    jg: JointGraph,
+    built_nodes: list[fx.Node | Group],
+    schedule: Schedule,
+    reused: dict[int, int],
+    offloads: dict[int, OffloadEvent] | None = None,
+    runtime: OffloadRuntime | None = None,
+    slots: dict[int, int] | None = None,
+) -> tuple[_Program, dict[int, fx.Node]]:
+    """The primals, then the forward ops in the planned order (the output is left to the caller).
+
+    Returns the program and, per offloaded storage, the node holding its host copy.
+    """
+
+    def missing(node: fx.Node) -> fx.Node:
+        raise RuntimeError(f"{node.name} is used before it is computed in the planned forward order")
+
+    prog = _Program(jg, missing)
+    for p in jg.primals:
+        prog.placeholder(p)
+    offloads = offloads or {}
+    made_at: dict[int, list[int]] = {}
+    release_at: dict[int, list[int]] = {}
+    for t, ev in sorted(offloads.items()):
+        made_at.setdefault(ev.produced, []).append(t)
+        release_at.setdefault(ev.release, []).append(t)
+    bufs = prog.graph.call_function(runtime.acquire, ()) if offloads else None
+    copying: dict[int, fx.Node] = {}
+    host: dict[int, fx.Node] = {}
+    n_fw = len(schedule.fw_order)
+    for k, o in enumerate(schedule.fw_order):
+        for t in release_at.get(k, []):
+            host[t] = prog.graph.call_function(runtime.release, (copying.pop(t),))
+        prog.emit(built_nodes[o], reused.get(k))
+        for t in made_at.get(k, []):
+            value = prog.value(jg.storages[t].node)
+            copying[t] = prog.graph.call_function(runtime.offload, (bufs, value, slots[t]))
+    for t in release_at.get(n_fw, []):
+        host[t] = prog.graph.call_function(runtime.release, (copying.pop(t),))
+    return prog, host
+
+
+def lower_training(
+    jg: JointGraph,
+    problem: Problem,
+    built_nodes: list[fx.Node | Group],
+    schedule: Schedule,
+    reused: dict[int, int],
+    offloads: dict[int, OffloadEvent] | None = None,
+    make_runtime: Callable[[list[SlotSpec]], OffloadRuntime] | None = None,
+) -> tuple[fx.GraphModule, fx.GraphModule, list[fx.Node]]:
+    """Forward and backward modules for AOTAutograd, and the original nodes saved between them.
+
+    `reused` maps a step (forward steps first, then backward) to the input storage its
+    output is written into, as the simulator decided. `offloads` (from the simulator)
+    are run by the runtime `make_runtime` builds for their slots.
+    """
+    offloads = offloads or {}
+    runtime, slots = None, {}
+    if offloads:
+        if make_runtime is None:
+            raise ValueError("a plan with offloads needs an offload runtime")
+        order = sorted(offloads)
+        slots = {t: i for i, t in enumerate(order)}
+        runtime = make_runtime([_slot_spec(jg, t) for t in order])
+    recomputed: set[fx.Node] = set()
+    for o in schedule.recomputed(problem):
+        item = built_nodes[o]
+        recomputed.update(item.nodes if isinstance(item, Group) else [item])
+    saved: list[fx.Node] = []
+    bw_placeholders: list[fx.Node] = []
+    fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
+
+    def placeholder_for(node: fx.Node, name: str) -> fx.Node:
+        saved.append(node)
+        new = bw.graph.placeholder(name)
+        new.meta = dict(node.meta)
+        bw_placeholders.append(new)
+        return new
+
+    def save(node: fx.Node) -> fx.Node:
+        """A forward value the backward reads and does not recompute: it crosses as a saved tensor,
+        or, if offloaded, comes back from the host here, at its first reader."""
+        owner = node.args[0] if node.target is operator.getitem else node
+        if owner in recomputed:
+            raise RuntimeError(f"{node.name} is read in the backward before its recomputation")
+        storage = jg.storage_of.get(node)
+        if storage in offloads:
+            if storage not in fetching or jg.storages[storage].node is not node:
+                raise RuntimeError(f"{node.name} is read in the backward before its prefetch")
+            new = bw.graph.call_function(runtime.wait, (fetching.pop(storage),))
+        else:
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
+            new = placeholder_for(node, node.name)
+        bw.env[node] = new
+        return new
+
+    bw = _Program(jg, save)
+    tangent_ph = [bw.placeholder(t) for t in jg.tangents]
+    n_fw = len(schedule.fw_order)
+    fetch_at: dict[int, list[int]] = {}
+    for t, ev in sorted(offloads.items()):
+        fetch_at.setdefault(ev.prefetch, []).append(t)
+    for j, o in enumerate(schedule.bw_order):
+        for t in fetch_at.get(n_fw + j, []):
+            host_ph = placeholder_for(jg.storages[t].node, f"{jg.storages[t].node.name}_host")
+            fetching[t] = bw.graph.call_function(runtime.prefetch, (host_ph,))
+        bw.emit(built_nodes[o], reused.get(n_fw + j))
+    if fetching:
+        raise RuntimeError(f"{len(fetching)} offloaded tensors are prefetched but never read")
+    bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
+    _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
+
+    fw, host = _forward(jg, built_nodes, schedule, reused, offloads, runtime, slots)
+    descs = _output_descs(jg)[: jg.num_fwd_outputs]
+    if descs and SavedForBackwardsAOTOutput is not None:
+        descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
+    else:
+        descs = None
+    crossing = []
+    for node in saved:
+        storage = jg.storage_of.get(node)
+        crossing.append(host.pop(storage) if storage in offloads and storage in host else node)
+    fw.output(list(jg.fw_outputs) + crossing, descs)
+    return _module(jg, fw.graph), _module(jg, bw.graph), saved
+
+
+def _slot_spec(jg: JointGraph, storage: int) -> SlotSpec:
+    v = jg.storages[storage].node.meta["val"]
+    return SlotSpec(tuple(v.shape), tuple(v.stride()), v.dtype)
+
+
+def _move_placeholders_first(graph: fx.Graph, ordered: list[fx.Node]) -> None:
+    """Placeholders were created as values were first needed; put them at the top, in order."""
+    head = next(iter(graph.nodes))
+    for ph in reversed(ordered):
+        if ph is not head:
+            head.prepend(ph)
+        head = ph
+
+
+def _module(jg: JointGraph, graph: fx.Graph) -> fx.GraphModule:
+    graph.lint()
+    return fx.GraphModule(jg.gm, graph)
+
+
+def boxed(gm: fx.GraphModule) -> Callable:
+    """Compile `gm` to take its arguments as a list that it clears, so nothing holds them past their last use."""
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list):
+        return gm(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.graph_module = gm  # type: ignore[attr-defined]
+    return run
+
+
+__all__ = ["boxed", "lower_inference", "lower_training"]

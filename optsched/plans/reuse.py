@@ -1,0 +1,90 @@
+"""Rebuild a plan from its file for the graph at hand, without solving.
+
+The problem is rebuilt from the graph (same fingerprint, so the same ops in the same
+order), fusion groups are re-formed from their member names, and every op gets the
+costs the plan was made with (so nothing is measured again). The recorded decisions are
+replayed by the simulator: a schedule that does not run, or whose replayed peak is not
+the recorded one, is refused, never run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from .plan import Plan
+from .file_format import PlanFile, PlanFileError
+from ..costs.problem_builder import build_problem
+from ..solvers import ScheduleError, SolveStats, simulate
+from ..solvers.model.problem import Schedule, default_schedule
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from ..capture.output_usage import OutputUsage
+
+    from ..capture.backend import PlanningBackend
+
+
+def plan_from_file(
+    backend: PlanningBackend, jg, gm: fx.GraphModule, pf: PlanFile, name: str, usage: OutputUsage | None = None
+) -> tuple[Plan, list]:
+    d, where = pf.data, str(pf.path)
+    made_for, decisions = d["made_for"], d["decisions"]
+    built = build_problem(
+        jg, backend.profile, name=name, offload=backend.offload, host_budget_bytes=made_for.get("host_budget_bytes"),
+        usage=usage,
+    )
+    node_id = {n.name: i for i, n in enumerate(built.nodes)}
+    try:
+        groups = [[node_id[m] for m in g] for g in decisions["fusion_groups"]]
+    except KeyError as e:
+        raise PlanFileError(f"{where}: fusion group member {e.args[0]!r} is not an op of this graph") from None
+    measure, backend.measure = backend.measure, False  # costs come from the file: compile groups, time nothing
+    try:
+        problem, items = backend._fuse(jg, built, groups)
+    finally:
+        backend.measure = measure
+    if decisions["ops"] != [o.name for o in problem.ops]:
+        raise PlanFileError(f"{where}: its ops are not this graph's ops (same fingerprint, other fusion or version?)")
+    problem = _with_costs(problem, d["costs"], where)
+    tensor_id = {t.name: t.id for t in problem.tensors}
+    try:
+        schedule = Schedule(
+            [int(o) for o in decisions["fw_order"]],
+            [int(o) for o in decisions["bw_order"]],
+            {tensor_id[t]: int(j) for t, j in decisions["offload"].items()},
+        )
+        sim = simulate(problem, schedule)
+    except (KeyError, ScheduleError, TypeError, ValueError) as e:
+        raise PlanFileError(f"{where}: its schedule does not run on this graph: {e}") from None
+    recorded = d["summary"].get("predicted_peak_bytes")
+    if sim.peak_bytes != recorded:
+        raise PlanFileError(f"{where}: replaying its decisions gives a peak of {sim.peak_bytes} bytes, the file records {recorded}")
+    stats = SolveStats(**{k: d["solver"][k] for k in ("status", "objective_s", "bound_s", "gap", "wall_s", "method")},
+                       notes=list(d["solver"].get("notes", [])) + [f"loaded from {where}"])
+    plan = Plan(
+        problem=problem, schedule=schedule, sim=sim, baseline=simulate(problem, default_schedule(problem)), stats=stats,
+        budget_bytes=made_for["budget_bytes"], budget_spec=made_for["budget"],
+        lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=backend.profile, timing=made_for["timing"],
+        graph_nodes=len(gm.graph.nodes), executor=made_for["executor"], fusion_groups=decisions["fusion_groups"],
+        fingerprint=pf.fingerprint, offload_allowed=made_for["offload"], output_usage=made_for.get("outputs"),
+    )
+    return plan, items
+
+
+def _with_costs(problem, costs: dict, where: str):
+    """Each op's recorded time, scratch space and in-place writes."""
+    names = {t.name: t.id for t in problem.tensors}
+    ops = []
+    for op in problem.ops:
+        try:
+            time_s, workspace, reuse = costs[op.name]
+            pairs = tuple((names[a], names[b]) for a, b in reuse)
+        except (KeyError, TypeError, ValueError):
+            raise PlanFileError(f"{where}: no usable costs for op {op.name!r}") from None
+        ops.append(dataclasses.replace(op, time_s=float(time_s), workspace_bytes=int(workspace), reuse=pairs))
+    try:
+        return dataclasses.replace(problem, ops=ops)
+    except ValueError as e:
+        raise PlanFileError(f"{where}: its costs do not fit this graph: {e}") from None

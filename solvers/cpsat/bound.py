@@ -1,0 +1,221 @@
+"""CP-SAT on a relaxation: a valid lower bound, and plans for graphs too large for the interval model.
+
+For a fixed op order, count at every step only what is *surely* live under a
+decision: a saved activation from its last forward use to its last direct backward
+reader (at least to the end of the forward), a recomputed one across its direct
+backward readers, and the fixed profile. Every real plan in that order has at
+least this much live, so the least recompute time under the budget in this model
+bounds every plan in that order from below. The model is a 0-1 program with one
+constraint per step that can bind, so it scales to thousands of ops.
+
+With `offload`, a saved activation may instead go to the host: it then counts only
+across its backward readers, and the copies' volume bounds the time compute waits.
+
+Its solution may not fit when simulated (recomputation chains and transients are
+not counted). `solve_bound_and_repair` adds, per step, what the simulator saw and
+the model did not, and solves again until a plan fits; only the first solve's
+bound is reported as the bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from .common import NS, cost_ns, make_solver, memory_unit, run_solver
+from ..model.liveness import OrderedProblem
+from ..model.problem import Problem
+
+
+@dataclass
+class BoundResult:
+    recompute: set[int]  # the last (repaired) solution
+    status: str  # of the first solve: OPTIMAL means bound_s is the relaxation's optimum
+    bound_s: float  # valid lower bound on the recompute time of any plan in this order
+    fits: bool  # whether `recompute` fits when simulated
+    rounds: int
+    wall_s: float
+
+
+class _BoundModel:
+    """`offload`: let any offloadable saved activation go to the host instead (valid bounds for
+    problems with host bandwidth); plans searched with this model are recompute-only otherwise."""
+
+    def __init__(self, problem: Problem, fw_order: list[int], bw_order: list[int], offload: bool = False):
+        self.p = problem
+        self.o = OrderedProblem(problem, fw_order, bw_order, optimistic_reuse=True)
+        self.unit = memory_unit(problem)
+        self.fw_s = sum(problem.ops[o].time_s for o in fw_order)
+        self.bw_s = sum(problem.ops[o].time_s for o in bw_order)
+        # (units, key, kind, first step, last step): kind "s" (saved) and "f" (offloaded: on the
+        # device at least across its backward readers) are keyed by tensor, "r" (recomputed) by producer op
+        self.spans: list[tuple[int, int, str, int, int]] = []
+        self.offloadable: list[int] = []
+        for act in self.o.activations:
+            units = problem.tensors[act.tensor].bytes // self.unit  # rounded down: stays a relaxation
+            self.spans.append((units, act.tensor, "s", act.fw_last + 1, max([self.o.F] + act.direct)))
+            if act.direct and act.producer in self.o.candidates:
+                self.spans.append((units, act.producer, "r", min(act.direct), max(act.direct)))
+            if offload and problem.host_bw > 0 and problem.tensors[act.tensor].offloadable:
+                self.offloadable.append(act.tensor)
+                if act.direct:
+                    self.spans.append((units, act.tensor, "f", min(act.direct), max(act.direct)))
+
+    def fixed_units(self, k: int) -> int:
+        return self.o.static[k] // self.unit
+
+    def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None):
+        """A model with `margin` extra units at each step (all zero for the bound).
+
+        The surely-live sum is carried from segment to segment (the steps between two
+        changes of which terms are live) in one integer per segment, so the model has
+        O(terms) entries rather than O(terms x steps), and one capacity constraint per
+        segment, at its highest fixed profile.
+        """
+        m = cp_model.CpModel()
+        r = {o: m.NewBoolVar(f"r{o}") for o in self.o.candidates}
+        f = {t: m.NewBoolVar(f"f{t}") for t in self.offloadable}
+        saved = {}
+        for act in self.o.activations:
+            s = saved[act.tensor] = m.NewBoolVar(f"s{act.tensor}")
+            rp = r.get(act.producer, 0)
+            kept = s + f.get(act.tensor, 0)  # saved on the device or on the host
+            if act.direct:
+                m.Add(kept + rp == 1)
+            else:
+                m.Add(kept + rp <= 1)
+                for c in act.rc_readers:  # a recomputed reader needs it kept or recomputed
+                    m.Add(kept + rp >= r[c])
+                m.Add(kept <= sum(r[c] for c in act.rc_readers))
+        cap = -(-budget_bytes // self.unit)  # rounded up: stays a relaxation
+        T = self.o.T
+        starts: list[list[int]] = [[] for _ in range(T + 1)]
+        stops: list[list[int]] = [[] for _ in range(T + 1)]
+        for i, (_u, _x, _s, first, last) in enumerate(self.spans):
+            starts[first].append(i)
+            stops[last + 1].append(i)
+        lit = [{"s": saved, "r": r, "f": f}[kind][x] for _u, x, kind, _f, _l in self.spans]
+        top = sum(u for u, *_ in self.spans)
+        live, live_most = None, 0  # running sum variable, and its largest possible value
+        k = 0
+        while k < T:
+            j = k + 1
+            while j < T and not starts[j] and not stops[j]:
+                j += 1
+            delta = [self.spans[i][0] * lit[i] for i in starts[k]] + [-self.spans[i][0] * lit[i] for i in stops[k]]
+            live_most += sum(self.spans[i][0] for i in starts[k]) - sum(self.spans[i][0] for i in stops[k])
+            if delta or live is None:
+                new = m.NewIntVar(0, top, f"live{k}")
+                m.Add(new == (live if live is not None else 0) + sum(delta))
+                live = new
+            fixed = max(self.fixed_units(q) + margin[q] for q in range(k, j))
+            if fixed + live_most > cap:  # else it can never bind
+                m.Add(live + fixed <= cap)
+            k = j
+        recompute_ns = sum(cost_ns(self.p.ops[o].time_s) * v for o, v in r.items())
+        if f:
+            m.Minimize(recompute_ns + self._exposure(m, f, recompute_ns))
+        else:
+            m.Minimize(recompute_ns)
+        if hint is not None:
+            for o, v in r.items():
+                m.AddHint(v, o in hint)
+        return m, r
+
+    def _exposure(self, m: cp_model.CpModel, f: dict, recompute_ns) -> cp_model.IntVar:
+        """Time compute must wait for copies, at least: each queue carries every offloaded byte,
+        copies out all end within the forward, copies back within the backward."""
+        p = self.p
+        vol_ns = sum(int(p.tensors[t].bytes / p.host_bw / NS) * v for t, v in f.items())  # rounded down
+        if p.host_budget_bytes is not None:
+            m.Add(sum(p.tensors[t].bytes * v for t, v in f.items()) <= p.host_budget_bytes)
+        most = int(sum(p.tensors[t].bytes for t in f) / p.host_bw / NS) + 1
+        exposed = m.NewIntVar(0, most, "exposed")
+        m.Add(exposed >= vol_ns - int(self.fw_s / NS) - 1)
+        m.Add(exposed >= vol_ns - int(self.bw_s / NS) - 1 - recompute_ns)
+        return exposed
+
+    def model_profile(self, recompute: set[int]) -> list[int]:
+        """What this model counts at each step for a given recompute set."""
+        delta = [0] * (self.o.T + 1)
+        for u, x, kind, first, last in self.spans:
+            if kind == "f":
+                continue  # plans searched with this model do not offload
+            on = (self.p.tensors[x].producer not in recompute) if kind == "s" else (x in recompute)
+            if on:
+                delta[first] += u
+                delta[last + 1] -= u
+        out, run = [], 0
+        for k in range(self.o.T):
+            run += delta[k]
+            out.append(run + self.fixed_units(k))
+        return out
+
+
+def solve_bound_and_repair(
+    problem: Problem,
+    fw_order: list[int],
+    bw_order: list[int],
+    budget_bytes: int,
+    simulate_steps: Callable[[set[int]], list[int] | None],
+    *,
+    time_limit_s: float = 10.0,
+    workers: int = 2,
+    hint: set[int] | None = None,
+    max_rounds: int = 8,
+    on_solution: Callable[[float, float], None] | None = None,
+    gap_s: float = 0.0,
+    offload: bool = False,
+) -> BoundResult | None:
+    """Bound the recompute time for this order, then repair the relaxation's plan until it fits.
+
+    `simulate_steps(recompute)` returns the simulated live bytes per model step (the
+    maximum over the steps a model step stands for), or None if the plan fits.
+    `gap_s`: stop a solve once its objective is within this many seconds of its bound.
+    `offload`: bound over plans that may also offload (then only the bound is meaningful).
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    model = _BoundModel(problem, fw_order, bw_order, offload)
+    margin = [0] * model.o.T
+    bound_s, status0, chosen, fits = 0.0, "UNKNOWN", set(hint or ()), False
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            break
+        m, r = model.build(budget_bytes, margin, chosen if chosen else hint)
+        solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers)
+        solver.parameters.absolute_gap_limit = gap_s / NS
+        cb = _Progress(on_solution, NS) if on_solution else None
+        status = run_solver(solver, m, cb)
+        if rounds == 1:
+            status0 = solver.StatusName(status)
+            if status == cp_model.INFEASIBLE:
+                return BoundResult(set(), "INFEASIBLE", float("inf"), False, rounds, time.perf_counter() - t0)
+            # costs were rounded to whole ns (at least 1): take that slack off so the bound stays below
+            bound_s = max(0.0, solver.BestObjectiveBound() - len(model.o.candidates)) * NS
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            break
+        chosen = {o for o, v in r.items() if solver.Value(v)}
+        over = simulate_steps(chosen)
+        if over is None:
+            fits = True
+            break
+        counted = model.model_profile(chosen)
+        for k, live in enumerate(over):  # count next time what the model missed where it overflowed
+            if live > budget_bytes:
+                margin[k] = max(margin[k], -(-live // model.unit) - counted[k])
+    return BoundResult(chosen, status0, bound_s, fits, rounds, time.perf_counter() - t0)
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: Callable[[float, float], None], scale: float):
+        super().__init__()
+        self.report, self.scale = report, scale
+
+    def on_solution_callback(self) -> None:
+        self.report(self.ObjectiveValue() * self.scale, self.BestObjectiveBound() * self.scale)

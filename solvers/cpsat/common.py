@@ -1,0 +1,100 @@
+"""What the CP-SAT models share: integer units for time and memory, solver settings, and
+`run_solver`, through which every solve goes so that Ctrl-C stops it."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from ortools.sat.python import cp_model
+
+from ..model.problem import Problem
+
+NS = 1e-9  # time unit: op costs are whole nanoseconds (at least 1)
+RESOLUTION = 1 << 20  # memory units across all of a step's storages
+
+
+def memory_unit(problem: Problem, resolution: int = RESOLUTION) -> int:
+    """Bytes per model unit: exact (the sizes' common divisor) when that keeps numbers
+    small, else about a millionth of all storage, because CP-SAT's bounds degrade with
+    huge coefficients. Models that must fit round demands up and budgets down; the
+    relaxation rounds the other way; the simulator stays exact."""
+    total = sum(t.bytes for t in problem.tensors)
+    common = math.gcd(*(t.bytes for t in problem.tensors)) or 1
+    if total // common <= resolution:
+        return common
+    return max(1, total // resolution)
+
+
+def cost_ns(time_s: float) -> int:
+    return max(1, round(time_s / NS))
+
+
+def make_solver(time_limit_s: float, workers: int, linearization_level: int | None = None) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    solver.parameters.num_workers = workers
+    if linearization_level is not None:
+        solver.parameters.linearization_level = linearization_level
+    return solver
+
+
+SOLVER_THREAD = "optsched-cp-sat"  # the worker thread's name (tests wait for it)
+POLL_S = 0.05  # how often the main thread wakes while a solve runs: Ctrl-C is seen within this
+
+
+def run_solver(
+    solver: cp_model.CpSolver, model: cp_model.CpModel, callback: cp_model.CpSolverSolutionCallback | None = None
+) -> int:
+    """`solver.Solve(model, callback)`, interruptible: Ctrl-C raises KeyboardInterrupt.
+
+    CP-SAT catches SIGINT itself by default and ends the search as if its time were up, so
+    a Ctrl-C would turn into a cut-short plan. Its catching is turned off here; in the main
+    thread the solve runs in a worker thread while the main thread waits in short intervals,
+    so Python's own handler raises KeyboardInterrupt there. Then the search is stopped, the
+    worker waited for (CP-SAT stops within milliseconds; a second Ctrl-C meanwhile is
+    absorbed) and the KeyboardInterrupt re-raised: no solve outlives the call. Off the main
+    thread (where no KeyboardInterrupt arrives) the solve simply runs in the calling thread.
+    """
+    solver.parameters.catch_sigint_signal = False
+    if threading.current_thread() is not threading.main_thread():
+        return solver.Solve(model, callback)
+    outcome: dict[str, object] = {}
+    done, cancelled = threading.Event(), threading.Event()
+
+    def work() -> None:
+        try:
+            if not cancelled.is_set():
+                outcome["status"] = solver.Solve(model, callback)
+        except BaseException as e:  # handed to the caller's thread below
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    # An Event, not Thread.join: in Python 3.11 a join interrupted by Ctrl-C can mark a
+    # running thread as finished (the tstate-lock race of bpo-45274's fix).
+    worker = threading.Thread(target=work, name=SOLVER_THREAD, daemon=True)
+    try:
+        worker.start()
+        while not done.wait(POLL_S):
+            pass
+    except KeyboardInterrupt:
+        _stop(solver, worker, done, cancelled)
+        raise
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["status"]  # type: ignore[return-value]
+
+
+def _stop(solver: cp_model.CpSolver, worker: threading.Thread, done: threading.Event, cancelled: threading.Event) -> None:
+    """Stop the search and wait for the worker. A worker not started yet sees `cancelled`
+    and never solves; StopSearch is a no-op until the solve has set itself up, so it is
+    repeated until the worker is done."""
+    cancelled.set()
+    while worker.is_alive() and not done.is_set():
+        try:
+            solver.StopSearch()
+            done.wait(POLL_S)
+        except KeyboardInterrupt:
+            continue

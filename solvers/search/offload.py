@@ -1,0 +1,161 @@
+"""Offload planning: copy saved activations to the host where that costs less time than recomputing them.
+
+A copy to the host and back is free when both directions hide behind compute, and
+a recomputation never is; but copies share one queue per direction, so offloading
+everything stalls. The planner starts from recompute-only plans at a ladder of
+budgets between the requested one and the unplanned peak (less recomputation the
+higher the rung), then offloads saved activations live at the peak, least exposed
+copy time per byte first, until the requested budget holds. The simulator decides
+every step, so what comes out fits and its time counts every stall.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .heuristics import greedy_recompute, place_recomputes, prune_recomputes
+from ..model.problem import Problem, Schedule, TensorKind
+from ..model.simulator import SimResult, simulate
+
+LADDER = (1.0, 0.75, 0.5, 0.25, 0.0)  # rungs: share of the way from the budget to the unplanned peak
+LEADS = (1.0, 2.0)  # prefetch early enough to hide this many copy times behind compute
+CANDIDATES_PER_ROUND = 6
+
+
+def prefetch_position(problem: Problem, sim: SimResult, tensor: int, lead: float = 1.0) -> int:
+    """The latest backward position whose compute before `tensor`'s first backward reader lasts `lead` copy times."""
+    n_fw = sim.n_forward_steps
+    first = next(k for k in range(n_fw, len(sim.steps)) if (tensor, False) in sim.reads[k])
+    need = lead * problem.tensors[tensor].bytes / problem.host_bw
+    k, ahead = first, 0.0
+    while k > n_fw and ahead < need:
+        k -= 1
+        ahead += problem.ops[sim.steps[k][0]].time_s
+    return k - n_fw
+
+
+def _offloadable_at_peak(problem: Problem, sim: SimResult, host_left: int) -> list[int]:
+    """Saved activations whose forward copy is on the device at the peak, largest first."""
+    k = sim.peak_step
+    out = {
+        lt.tensor
+        for lt in sim.lifetimes
+        if lt.start <= k <= lt.end and not lt.recomputed and not lt.prefetched
+    }
+    saved = set(sim.saved)
+    ok = [
+        t
+        for t in out
+        if t in saved
+        and t not in sim.offloads
+        and problem.tensors[t].kind is TensorKind.ACTIVATION
+        and problem.tensors[t].offloadable
+        and problem.tensors[t].bytes <= host_left
+    ]
+    return sorted(ok, key=lambda t: (-problem.tensors[t].bytes, t))
+
+
+def add_offloads(problem: Problem, schedule: Schedule, budget: int, deadline: float | None = None) -> Schedule | None:
+    """Offload saved activations of `schedule` until its simulated peak fits `budget` (None if it cannot)."""
+    if problem.host_bw <= 0:
+        return None
+    sched = schedule
+    sim = simulate(problem, sched)
+    host_cap = problem.host_budget_bytes if problem.host_budget_bytes is not None else float("inf")
+    while sim.peak_bytes > budget:
+        if deadline is not None and time.perf_counter() > deadline:
+            return None
+        best = None  # (key, schedule, sim)
+        for t in _offloadable_at_peak(problem, sim, host_cap - sim.host_bytes)[:CANDIDATES_PER_ROUND]:
+            for lead in LEADS:
+                offload = {**sched.offload, t: prefetch_position(problem, sim, t, lead)}
+                trial = Schedule(sched.fw_order, sched.bw_order, offload)
+                tsim = simulate(problem, trial)
+                freed = sim.peak_bytes - tsim.peak_bytes
+                if freed <= 0 and tsim.peak_step == sim.peak_step:
+                    continue
+                key = ((tsim.time_s - sim.time_s) / max(freed, 1), -freed, tsim.time_s)
+                if best is None or key < best[0]:
+                    best = (key, trial, tsim)
+        if best is None:
+            return None
+        _key, sched, sim = best
+    return _drop_needless(problem, sched, sim, budget)
+
+
+def _drop_needless(problem: Problem, sched: Schedule, sim: SimResult, budget: int) -> Schedule:
+    """Take back offloads the budget does not need (no faster without them, but less traffic and host memory)."""
+    for t in sorted(sched.offload, key=lambda t: problem.tensors[t].bytes):
+        rest = {u: j for u, j in sched.offload.items() if u != t}
+        trial = Schedule(sched.fw_order, sched.bw_order, rest)
+        tsim = simulate(problem, trial)
+        if tsim.peak_bytes <= budget and tsim.time_s <= sim.time_s + 1e-12:
+            sched, sim = trial, tsim
+    return sched
+
+
+def mix_offload_and_recompute(
+    problem: Problem,
+    fw_order: list[int],
+    bw_order: list[int],
+    budget: int,
+    deadline: float | None = None,
+    lowest: set[int] | None = None,
+) -> list[Schedule]:
+    """Plans in this order that reach `budget` with offloads on top of less recomputation than it needs alone.
+
+    `bw_order` lists backward ops only. One plan per rung of LADDER that fits, and one
+    that offloads on top of `lowest` (the lowest-peak recompute set known), for budgets
+    recomputation alone cannot reach.
+    """
+    if problem.host_bw <= 0:
+        return []
+    top = simulate(problem, place_recomputes(problem, fw_order, bw_order, ())).peak_bytes
+    if top <= budget:
+        return []  # nothing to decide: the plan without recomputation fits
+    out: list[Schedule] = []
+    tried: set[frozenset[int]] = set()
+    for share in LADDER:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        rung = int(budget + share * (top - budget))
+        start = greedy_recompute(problem, rung if share < 1.0 else None, fw_order, bw_order, deadline=deadline)
+        if simulate(problem, start).peak_bytes > rung:
+            continue
+        kept = prune_recomputes(problem, rung, fw_order, bw_order, set(start.recomputed(problem)), deadline=deadline)
+        if frozenset(kept) in tried:
+            continue
+        tried.add(frozenset(kept))
+        plan = add_offloads(problem, place_recomputes(problem, fw_order, bw_order, kept), budget, deadline)
+        if plan is not None:
+            out.append(plan)
+    if not out and lowest is not None and frozenset(lowest) not in tried:
+        plan = add_offloads(problem, place_recomputes(problem, fw_order, bw_order, lowest), budget, deadline)
+        if plan is not None:
+            out.append(plan)
+    return out
+
+
+def offload_all(problem: Problem) -> Schedule:
+    """Every offloadable saved activation to the host, each prefetched one copy time ahead of its reader.
+
+    The budget-blind policy of activation-offloading wrappers (torchtune's, for one): a
+    baseline to compare with, not a plan the solver would pick. Within a host budget it
+    takes them in the order they are made until the next one no longer fits.
+    """
+    sched = place_recomputes(problem, [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops], ())
+    if problem.host_bw <= 0:
+        return sched
+    sim = simulate(problem, sched)
+    movable = [
+        t for t in sim.saved
+        if problem.tensors[t].kind is TensorKind.ACTIVATION and problem.tensors[t].offloadable
+    ]
+    room = problem.host_budget_bytes if problem.host_budget_bytes is not None else float("inf")
+    chosen = {}
+    for t in sorted(movable, key=lambda t: sim.spans[(t, False)][0]):
+        if problem.tensors[t].bytes > room:
+            break
+        room -= problem.tensors[t].bytes
+        chosen[t] = prefetch_position(problem, sim, t)
+    return Schedule(sched.fw_order, sched.bw_order, chosen)

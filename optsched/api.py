@@ -18,12 +18,13 @@ import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from .capture.backend import PlanningBackend
-from .budget import Budget, BudgetResolution, parse_budget, parse_planning_options
+from .budget import BudgetResolution, parse_budget, parse_planning_options
 from .capture.errors import capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
 from .costs.profiles import DeviceProfile
 from .plans.plan import Plan
+from .settings import PlanningSettings
 from .plans.file_format import PlanFile, seal, validate
 from .solvers import BudgetInfeasibleError
 
@@ -65,19 +66,7 @@ def _unwrap_errors(compiled: Callable) -> Callable:
     return call
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """optimize()'s planning options, as every compiled program of one optimized callable (and its copies) uses them."""
-
-    budget: Budget
-    device_profile: str | DeviceProfile | None
-    time_limit_s: float | None
-    progress: bool
-    offload: bool | None
-    host_budget: Budget
-    executor: str | None
-    plan: str | os.PathLike | None
-    on_mismatch: str
+_Settings = PlanningSettings  # the name copies pickled before it was shared refer to
 
 
 @dataclass
@@ -85,7 +74,7 @@ class _CopySpec:
     """What a copy of an optimized module is optimized again with: the settings, the budget as the original
     resolved it, and the original's plans (sealed plan-file JSON) to replay instead of solving."""
 
-    settings: _Settings
+    settings: PlanningSettings
     resolution: BudgetResolution
     carried: tuple[str, ...]
 
@@ -123,7 +112,7 @@ class Dispatcher:
     Extension point: `extra_key(args, kwargs)` is one more part of the signature (default None);
     override it (or assign an instance attribute) to keep programs apart by anything else."""
 
-    def __init__(self, settings: _Settings, resolution: BudgetResolution, carried: tuple[str, ...] = (),
+    def __init__(self, settings: PlanningSettings, resolution: BudgetResolution, carried: tuple[str, ...] = (),
                  *, fn: Callable | None = None, module: torch.nn.Module | None = None):
         self.settings = settings
         self.resolution = resolution
@@ -209,8 +198,7 @@ class Dispatcher:
             warn_if_underplanned(seen, planned, s.budget.spec is not None)
 
         return PlanningBackend(
-            s.budget, s.device_profile, s.time_limit_s, on_plan, s.progress, s.offload, s.host_budget, s.executor,
-            s.plan, s.on_mismatch, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
+            self.settings, on_plan, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
         )
 
     def copy_spec(self) -> _CopySpec:
@@ -273,7 +261,7 @@ def _leaf_signature(a: Any, parts: list) -> None:
         parts.append(t)
 
 
-def _install(module: torch.nn.Module, settings: _Settings, resolution: BudgetResolution,
+def _install(module: torch.nn.Module, settings: PlanningSettings, resolution: BudgetResolution,
              carried: tuple[str, ...] = ()) -> Dispatcher:
     """Make `module` run through a new Dispatcher; copies of it are optimized again (see reduce_module)."""
     dispatcher = Dispatcher(settings, resolution, carried, module=module)
@@ -368,13 +356,13 @@ def optimize(
         raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
         raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
-    from .plans.file_format import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
+    from .plans.cache import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
 
     check_plan_option(plan, stacklevel=3)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
 
-    settings = _Settings(budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch)
+    settings = PlanningSettings(budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch)
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
         _install(target, settings, BudgetResolution(budget))
@@ -416,9 +404,8 @@ def capture_problem(
     """
     problems = []
     call = fn_or_module._call_impl if isinstance(fn_or_module, torch.nn.Module) else fn_or_module
-    backend = PlanningBackend(
-        parse_budget(None), device_profile, 1.0, lambda plan: problems.append(plan.problem), offload=True
-    )
+    settings = PlanningSettings(parse_budget(None), device_profile, time_limit_s=1.0, offload=True)
+    backend = PlanningBackend(settings, lambda plan: problems.append(plan.problem))
     compiled = torch.compile(_own_code(call), backend=backend, fullgraph=True, dynamic=False)
     with _rng_untouched():
         _unwrap_errors(compiled)(*example_inputs)

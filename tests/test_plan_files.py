@@ -180,7 +180,7 @@ def _mlp():
 
 
 def test_check_writable_probes_the_file_system_and_creates_nothing(tmp_path):
-    from optsched.plans.file_format import check_writable
+    from optsched.plans.cache import check_writable
 
     assert check_writable(tmp_path / "p.json") is None
     assert check_writable(tmp_path / "new" / "deeper" / "p.json") is None
@@ -207,7 +207,7 @@ def test_an_unwritable_plan_path_is_a_plan_file_error_before_anything_is_planned
 def test_an_unwritable_plan_cache_warns_once_and_the_step_runs(tmp_path, monkeypatch):
     import warnings
 
-    from optsched.plans import file_format as plan_file
+    from optsched.plans import cache as plan_file
 
     monkeypatch.setattr(plan_file, "_reported_caches", set())
     cache = tmp_path / "a_file" / "cache"

@@ -33,7 +33,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .backend import DEFAULT_HOST_SHARE, PlanningBackend, physical_memory_bytes, prepare_inference
+from ..passes.prepare import prepare_inference
+from ..planner import Planner, Target, default_offload, host_budget_bytes
+from ..settings import PlanningSettings
+from .backend import PlanningBackend
 from ..budget import parse_planning_options
 from ..costs.profiles import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from ..executors import NAMES as EXECUTORS
@@ -112,34 +115,29 @@ def _attention_time(node: fx.Node, stands_for: tuple[str, int], profile: DeviceP
 class OfflineBackend(PlanningBackend):
     """PlanningBackend that plans and stops: roofline times of a named profile, no lowering.
 
-    `PlanningBackend.__call__` (the torch.compile entry) sets up device, timing, profile,
-    offload, host budget and executor from the example inputs; here they come from the
-    profile alone, and AOTAutograd is called by `capture_offline`, not by Dynamo.
+    `PlanningBackend.__call__` (the torch.compile entry) makes its planner's target from the example
+    inputs' device; here the target comes from the profile alone, and AOTAutograd is called by
+    `capture_offline`, not by Dynamo.
     """
 
-    def __init__(self, budget, device_profile, time_limit_s, on_plan, progress=False, offload=None,
-                 host_budget=None, executor=None):
-        super().__init__(budget, device_profile, time_limit_s, on_plan, progress, offload, host_budget, executor)
-        if device_profile == "measured":
+    def __init__(self, settings: PlanningSettings, on_plan: Callable[[Plan], None]):
+        if settings.device_profile == "measured":
             raise ValueError("offline planning cannot measure op times (the tensors are fake): name a device profile")
-        self.profile = get_profile(device_profile or "h100")
-        self.measure = False
+        super().__init__(settings, on_plan)
+        profile = get_profile(settings.device_profile or "h100")
         # Only compile_groups makes tensors on this device (example inputs for group compilers, which
         # offline executors ignore): on "meta" they take no memory.
-        self.device = torch.device("meta")
-        self.offload = self.profile.device_type == "cuda" if offload is None else offload
-        physical = physical_memory_bytes()
-        self.host_budget_bytes = (
-            host_budget.resolve(physical) if host_budget is not None and host_budget.spec is not None
-            else int(DEFAULT_HOST_SHARE * physical)
+        target = Target(
+            torch.device("meta"), False, profile, default_offload(settings.offload, profile.device_type),
+            host_budget_bytes(settings.host_budget), _PlanOnlyExecutor(settings.executor, profile),
         )
-        self.executor = _PlanOnlyExecutor(executor, self.profile)
+        self.planner = Planner(settings, target, on_plan, resolution=self.resolution, costs=self._costs)
         # wall times: capture_s (building the fake module and inputs, tracing the joint graph) and
         # plan_s (problem, solve, fingerprint); `start` is set by capture_offline
         self.timings: dict[str, float] = {}
 
     def __call__(self, gm, example_inputs):  # pragma: no cover - not a torch.compile backend
-        raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.offline.plan_offline")
+        raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.capture.offline.plan_offline")
 
     def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
         """Roofline times (as `build_problem` makes them without measurements), except for the CPU
@@ -151,20 +149,20 @@ class OfflineBackend(PlanningBackend):
         for node in jg.compute:
             stands_for = _CPU_ATTENTION.get(getattr(getattr(node.target, "overloadpacket", None), "__name__", ""))
             if stands_for is not None and node_flops(node) == 0:
-                times[node.name] = _attention_time(node, stands_for, self.profile)
+                times[node.name] = _attention_time(node, stands_for, self.target.profile)
         return NodeCosts(times, {}, {}) if times else None
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         self._captured()
         jg = build_joint_graph(joint, num_fwd_outputs)
-        self._planned(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
+        self.planner.plan(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()
 
     def _inference(self, gm: fx.GraphModule, example_inputs):
         self._captured()
-        prepare_inference(gm, split_foreach=self.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
+        prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
-        self._planned(gm, jg, "forward")
+        self.planner.plan(gm, jg, "forward")
         self._done()
 
     def _captured(self) -> None:
@@ -325,7 +323,7 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
                 f"{e}: converting a module's parameters (Module.to(dtype), .half(), .bfloat16(), ...) fails "
                 "under FakeTensorMode (torch.utils.swap_tensors refuses fake parameters, which the fake mode "
                 "holds weak references to). Build the module in its dtype instead: pass dtype= to its layers, "
-                "or wrap the construction in optsched.offline.default_dtype(torch.bfloat16)"
+                "or wrap the construction in optsched.capture.offline.default_dtype(torch.bfloat16)"
             ) from e
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"model_factory must return an nn.Module, got {type(module).__name__}")
@@ -334,7 +332,8 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
     # The forward sees a tracer, as under torch.compile: code that branches on data unless
     # torch.compiler.is_compiling() (transformers' mask helpers, for one) takes the traceable path.
     # On a CUDA profile, attention is captured as the GPU's kernel (see sdpa_prediction.CudaAttention), not the CPU one.
-    attention = CudaAttention(backend.profile) if backend.profile.device_type == "cuda" else contextlib.nullcontext()
+    profile = backend.target.profile
+    attention = CudaAttention(profile) if profile.device_type == "cuda" else contextlib.nullcontext()
     with mode, torch.enable_grad(), _compiling():
         flat, slots = _dynamo_order(module, inputs)
         try:
@@ -398,7 +397,8 @@ def plan_offline(
     if not callable(model_factory) or not callable(inputs_factory):
         raise TypeError("plan_offline(model_factory, inputs_factory, ...) takes two callables")
     plans: list[Plan] = []
-    backend = OfflineBackend(budget, device_profile, time_limit_s, plans.append, progress, offload, host, executor)
+    settings = PlanningSettings(budget, device_profile, time_limit_s, progress, offload, host, executor)
+    backend = OfflineBackend(settings, plans.append)
     try:
         capture_offline(model_factory, inputs_factory, backend)
     finally:  # an infeasible budget has timings too

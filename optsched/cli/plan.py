@@ -17,7 +17,8 @@ import typing
 from .args import CliError
 from .render import print_show
 from ..costs.profiles import PROFILES
-from ..plans.file_format import check_writable, load_plan
+from ..plans.cache import check_writable
+from ..plans.file_format import load_plan
 
 
 def _dataclass_in(annotation):

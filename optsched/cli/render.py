@@ -179,7 +179,7 @@ def _ordered_difference(a: list[str], b: list[str]) -> list[str]:
 
 def diff_report(a: dict, b: dict) -> dict:
     """What differs between two plan files, as plain data (the `diff` command prints it)."""
-    from ..plans.file_format import _node_difference
+    from ..plans.file_format import node_difference
 
     mfa, mfb = a["made_for"], b["made_for"]
     made_for = [(k, mfa.get(k), mfb.get(k)) for k in MADE_FOR_FIELDS]
@@ -192,7 +192,7 @@ def diff_report(a: dict, b: dict) -> dict:
     fa, fb = a["fingerprint"], b["fingerprint"]
     same_graph = fa.get("hash") == fb.get("hash")
     graph = "same graph (fingerprint " + fa.get("hash", "")[:12] + ")" if same_graph else (
-        "different graphs: " + _node_difference(fa.get("nodes", []), fb.get("nodes", []))
+        "different graphs: " + node_difference(fa.get("nodes", []), fb.get("nodes", []))
         .replace("the plan has", "A has").replace("the graph now has", "B has")
     )
 

@@ -159,7 +159,7 @@ def _measure_peak_profiler(fn: Callable[[], Any], device: torch.device) -> PeakR
         result = fn()
     events = [
         (event.start_time_ns, event.extra_fields.alloc_size)
-        for event in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        for event in walk_events(prof.profiler.kineto_results.experimental_event_tree())
         if type(event.extra_fields).__name__ == "_ExtraFields_Allocation"
         and _same_device(event.extra_fields.device, device)
     ]
@@ -171,11 +171,11 @@ def _measure_peak_profiler(fn: Callable[[], Any], device: torch.device) -> PeakR
     return PeakResult(peak_bytes=peak, end_bytes=running, result=result)
 
 
-def _walk(events: list) -> Iterator:
+def walk_events(events: list) -> Iterator:
     """Profiler events in pre-order; allocations are leaves under the op that made them."""
     for event in events:
         yield event
-        yield from _walk(event.children)
+        yield from walk_events(event.children)
 
 
 def _same_device(event_device: torch.device, wanted: torch.device) -> bool:
@@ -249,14 +249,16 @@ def measure_training_step(call: Callable, module: torch.nn.Module, inputs: tuple
         loss.backward()
         return loss.detach()
 
-    res = measure_peak(step, _device_of(module, inputs))
+    res = measure_peak(step, device_of([*module.parameters(), *inputs]) or torch.device("cpu"))
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     for p in module.parameters():
         p.grad = None
     return StepMeasurement(start + res.peak_bytes, res.result, grads)
 
 
-def _device_of(module: torch.nn.Module, inputs: tuple) -> torch.device:
-    for t in list(module.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]:
-        return t.device
-    return torch.device("cpu")
+def device_of(values) -> torch.device | None:
+    """The device of the first tensor among `values`, None when there is none."""
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.autograd.profiler import record_function
 
 from .profiles import NodeCosts, random_like
-from .measure import _walk, memory_profile
+from .measure import memory_profile, walk_events
 from ..passes.op_variants import inplace_foreach, out_variant
 
 _OP = "optsched::"
@@ -88,13 +88,13 @@ def profile_nodes(
 def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:
     workspace: dict[str, int] = {}
     out_peak: dict[str, int] = {}
-    for event in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+    for event in walk_events(prof.profiler.kineto_results.experimental_event_tree()):
         name = event.name
         if not (name.startswith(_OP) or name.startswith(_OUT)):
             continue
         allocs = sorted(
             (e.start_time_ns, e.extra_fields.alloc_size)
-            for e in _walk(event.children)
+            for e in walk_events(event.children)
             if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"
         )
         running = peak = 0

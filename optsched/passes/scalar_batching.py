@@ -17,10 +17,10 @@ in the last bit than the one-element kernel (`pow` does on CPU).
 
 from __future__ import annotations
 
-import heapq
 import operator
 
 import torch
+import networkx as nx
 from torch import fx
 
 from .inplace import output_items
@@ -242,18 +242,10 @@ def _topological_sort(graph: fx.Graph) -> None:
     """Reorder the nodes so each comes after its inputs, otherwise keeping their order."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [index[n] for n in nodes if waiting[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        n = nodes[heapq.heappop(ready)]
-        order.append(n)
-        for u in n.users:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, index[u])
-    assert len(order) == len(nodes), "the graph has a cycle"
+    dag = nx.DiGraph()
+    dag.add_nodes_from(nodes)
+    dag.add_edges_from((a, n) for n in nodes for a in n.all_input_nodes)
+    order = list(nx.lexicographical_topological_sort(dag, key=index.__getitem__))  # the earliest ready node first
     prev = order[0]
     if prev is not nodes[0]:
         nodes[0].prepend(prev)

@@ -10,41 +10,40 @@ the recorded one, is refused, never run.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .plan import Plan
+from ..costs.problem_builder import Built, build_problem
+from ..solvers import Problem, Schedule, ScheduleError, SolveStats, default_schedule, simulate
 from .file_format import PlanFile, PlanFileError
-from ..costs.problem_builder import build_problem
-from ..solvers import ScheduleError, SolveStats, simulate
-from ..solvers.model.problem import Schedule, default_schedule
+from .plan import Plan
 
 if TYPE_CHECKING:
     import torch.fx as fx
 
+    from ..capture.joint_graph import JointGraph
     from ..capture.output_usage import OutputUsage
-
-    from ..capture.backend import PlanningBackend
+    from ..costs.profiles import DeviceProfile
 
 
 def plan_from_file(
-    backend: PlanningBackend, jg, gm: fx.GraphModule, pf: PlanFile, name: str, usage: OutputUsage | None = None
+    jg: JointGraph, gm: fx.GraphModule, pf: PlanFile, name: str, usage: OutputUsage | None = None, *,
+    profile: DeviceProfile, offload: bool, fuse: Callable[[Built, list[list[int]]], tuple[Problem, list]],
 ) -> tuple[Plan, list]:
+    """The plan `pf` records, for graph `gm` (its joint graph `jg`). `fuse(built, groups)`: the problem
+    with those fusion groups merged and, per op, its node or group (compiled, not timed: the file's
+    costs replace the times)."""
     d, where = pf.data, str(pf.path)
     made_for, decisions = d["made_for"], d["decisions"]
     built = build_problem(
-        jg, backend.profile, name=name, offload=backend.offload, host_budget_bytes=made_for.get("host_budget_bytes"),
-        usage=usage,
+        jg, profile, name=name, offload=offload, host_budget_bytes=made_for.get("host_budget_bytes"), usage=usage,
     )
     node_id = {n.name: i for i, n in enumerate(built.nodes)}
     try:
         groups = [[node_id[m] for m in g] for g in decisions["fusion_groups"]]
     except KeyError as e:
         raise PlanFileError(f"{where}: fusion group member {e.args[0]!r} is not an op of this graph") from None
-    measure, backend.measure = backend.measure, False  # costs come from the file: compile groups, time nothing
-    try:
-        problem, items = backend._fuse(jg, built, groups)
-    finally:
-        backend.measure = measure
+    problem, items = fuse(built, groups)
     if decisions["ops"] != [o.name for o in problem.ops]:
         raise PlanFileError(f"{where}: its ops are not this graph's ops (same fingerprint, other fusion or version?)")
     problem = _with_costs(problem, d["costs"], where)
@@ -66,7 +65,7 @@ def plan_from_file(
     plan = Plan(
         problem=problem, schedule=schedule, sim=sim, baseline=simulate(problem, default_schedule(problem)), stats=stats,
         budget_bytes=made_for["budget_bytes"], budget_spec=made_for["budget"],
-        lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=backend.profile, timing=made_for["timing"],
+        lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=profile, timing=made_for["timing"],
         graph_nodes=len(gm.graph.nodes), executor=made_for["executor"], fusion_groups=decisions["fusion_groups"],
         fingerprint=pf.fingerprint, offload_allowed=made_for["offload"], output_usage=made_for.get("outputs"),
     )

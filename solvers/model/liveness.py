@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..search.heuristics import recompute_candidates
 from .problem import Phase, Problem, TensorKind
 
 
@@ -115,3 +114,12 @@ class OrderedProblem:
                     return self.optimistic  # depends on decisions
                 return inp == tid
         return False
+
+
+def recompute_candidates(problem: Problem) -> list[int]:
+    """Forward ops whose recomputation could free memory: recomputable, not producing a step output."""
+    return [
+        o.id
+        for o in problem.fw_ops
+        if o.recomputable and o.outputs and not any(t in problem.outputs for t in o.outputs)
+    ]

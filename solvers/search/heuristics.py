@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable
 
 from ..model.problem import Problem, Schedule, TensorKind
+from ..model.liveness import recompute_candidates
 from ..model.simulator import simulate
 
 
@@ -80,15 +81,6 @@ def greedy_forward_order(problem: Problem) -> list[int]:
             if missing[u] == 0:
                 ready.add(u)
     return order
-
-
-def recompute_candidates(problem: Problem) -> list[int]:
-    """Forward ops whose recomputation could free memory: recomputable, not producing a step output."""
-    return [
-        o.id
-        for o in problem.fw_ops
-        if o.recomputable and o.outputs and not any(t in problem.outputs for t in o.outputs)
-    ]
 
 
 def greedy_recompute(

@@ -24,7 +24,7 @@ from .heuristics import (
 from ..model.problem import Problem, Schedule, SolveStats, default_schedule
 from ..cpsat.bound import solve_bound_and_repair
 from .offload import mix_offload_and_recompute
-from ..progress import ProgressLine
+from ..progress import Display, ProgressLine
 from .reorder import base_orders, refine_order
 from ..model.simulator import SimResult, simulate
 
@@ -73,7 +73,7 @@ def solve(
     *,
     time_limit_s: float = 5.0,
     workers: int | None = None,
-    progress: bool = False,
+    progress: bool | Display = False,
 ) -> Solution:
     """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak).
 
@@ -86,7 +86,8 @@ def solve(
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
-    line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress)
+    line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress is not False,
+                        display=None if isinstance(progress, bool) else progress)
     try:
         if problem.has_backward:
             offload = problem.host_bw > 0 and budget_bytes is not None

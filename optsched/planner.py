@@ -1,0 +1,287 @@
+"""The one orchestrator: a captured graph becomes a `Plan`.
+
+    graph ─fingerprint─> plan file or carried plan that matches? ─yes─> replayed (plans.reuse)
+      │ no
+      └─> Problem (costs.problem_builder, op times measured or roofline)
+          ─> the executor's fusion groups merged into ops (solvers.search.fusion_groups; compiled and
+             timed by executors.groups)
+          ─> solved within the user's own checkpointing (user_checkpoint, solvers.solve)
+          ─> horizontal groups tried one by one, kept only when faster and no higher
+          ─> Plan: budget resolution recorded, plan file saved when asked (plans.cache), reported
+
+The compile hooks (`capture.backend.PlanningBackend`, `capture.offline.OfflineBackend`) make one
+`Planner` per compiled program, for its `Target` (device, timing, profile, offloads, executor), and
+call `Planner.plan` from AOTAutograd's hooks; lowering the plan is theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .budget import Budget, BudgetResolution
+from .capture.fingerprint import fingerprint
+from .capture.joint_graph import JointGraph
+from .capture.output_usage import OutputUsage
+from .costs.problem_builder import Built, build_problem, reuse_candidates
+from .costs.profiles import DeviceProfile, NodeCosts, get_profile
+from .costs.profiling import profile_nodes
+from .executors import get_executor
+from .executors.base import Executor
+from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
+from .plans.cache import plan_path, save_or_warn
+from .plans.file_format import PlanFile, PlanMismatchError, load_plan
+from .plans.plan import Plan
+from .plans.reuse import plan_from_file
+from .progress import LiveLine
+from .settings import PlanningSettings
+from .solvers import BudgetInfeasibleError, Problem, default_schedule, simulate, solve
+from .solvers.search.fusion_groups import find_groups, fuse_ops
+from .user_checkpoint import solve_within_user_checkpointing
+
+DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
+DEFAULT_S_PER_OP = 0.02
+DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_budget_bytes(host_budget: Budget | None) -> int:
+    """The host memory offloads may take: the option's bytes, else DEFAULT_HOST_SHARE of physical memory."""
+    physical = physical_memory_bytes()
+    if host_budget is not None and host_budget.spec is not None:
+        return host_budget.resolve(physical)
+    return int(DEFAULT_HOST_SHARE * physical)
+
+
+def default_offload(offload: bool | None, device_type: str) -> bool:
+    """None: offload where host memory is really another memory (on CUDA, not on CPU)."""
+    return device_type == "cuda" if offload is None else offload
+
+
+@dataclass
+class Target:
+    """What one program is planned for: its device, whether op times are measured there (else the
+    profile's roofline), the profile, whether saved activations may wait in host memory and how much of
+    it, and who runs fusion groups."""
+
+    device: torch.device
+    measure: bool
+    profile: DeviceProfile
+    offload: bool
+    host_budget_bytes: int
+    executor: Executor
+
+    @classmethod
+    def for_device(cls, settings: PlanningSettings, device: torch.device) -> Target:
+        """The target of a program captured on `device` (torch.compile)."""
+        wants = settings.device_profile
+        # default on CPU: measure op times on this machine; a named profile means the roofline
+        measure = wants == "measured" or (wants is None and device.type == "cpu")
+        profile = get_profile(None if wants == "measured" else wants, device)
+        return cls(
+            device, measure, profile, default_offload(settings.offload, device.type),
+            host_budget_bytes(settings.host_budget), get_executor(settings.executor, device),
+        )
+
+
+class Planner:
+    """Plans the programs of one compiled callable for one target (see the module docstring).
+
+    `resolution`: the budget as the optimized callable means it, shared by all its planners
+    (see BudgetResolution). `carried`: plans a copy of an optimized module carries from its original,
+    by fingerprint hash, replayed instead of solved. `observed_usage`: what a backward showed the
+    caller doing with the outputs (None: only the guess, which a plan file's record may replace).
+    `costs`: op times for a graph (default: measured on the device when the target measures, else
+    None, the profile's roofline)."""
+
+    def __init__(
+        self,
+        settings: PlanningSettings,
+        target: Target,
+        on_plan: Callable[[Plan], None],
+        *,
+        resolution: BudgetResolution | None = None,
+        carried: dict[str, list[PlanFile]] | None = None,
+        observed_usage: OutputUsage | None = None,
+        costs: Callable[[fx.GraphModule, JointGraph], NodeCosts | None] | None = None,
+    ):
+        self.settings = settings
+        self.target = target
+        self.on_plan = on_plan
+        self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
+        self.carried = carried or {}
+        self.observed_usage = observed_usage
+        self.costs = costs or self.measured_costs
+
+    def measured_costs(self, gm: fx.GraphModule, jg: JointGraph) -> NodeCosts | None:
+        t = self.target
+        return profile_nodes(gm, t.device, reuse_candidates(jg)) if t.measure else None
+
+    def plan(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None = None) -> tuple[Plan, list]:
+        """The plan for this graph and, per op of its problem, the node or fusion group it runs: from
+        the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
+        fp = fingerprint(gm)
+        path = plan_path(self.settings.plan_spec, fp["hash"], self.made_for(name))
+        pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
+        if pf is None and path is not None and path.exists():
+            pf = load_plan(path)
+        if pf is not None:
+            mismatch = pf.describe_mismatch(fp, **self.made_for(name))
+            recorded = pf.data["made_for"].get("outputs")
+            if mismatch is None and usage is not None and recorded is not None and self.observed_usage is None:
+                usage = OutputUsage.parse(recorded)  # our guess, against what the file's run saw the caller do
+            if mismatch is None and (usage.describe() if usage is not None else None) == recorded:
+                t = self.target
+                plan, items = plan_from_file(
+                    jg, gm, pf, name, usage, profile=t.profile, offload=t.offload,
+                    fuse=lambda built, groups: self.fuse(jg, built, groups, measure=False),  # costs come from the file
+                )
+                self._record_budget(plan, fp)
+                self.on_plan(plan)
+                return plan, items
+            if mismatch is None:
+                pass  # the caller now uses the outputs otherwise than when the file was made: plan again
+            elif self.settings.on_mismatch == "error":
+                raise PlanMismatchError(
+                    f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
+                    "overwrite it, or use another plan file"
+                )
+        plan, items = self._solve_graph(gm, jg, name, usage)
+        plan.fingerprint, plan.offload_allowed = fp, self.target.offload
+        plan.output_usage = usage.describe() if usage is not None else None
+        self._record_budget(plan, fp)
+        if path is not None:  # a save the file system refuses warns: the plan is made, the step runs
+            save_or_warn(plan.save, path, cached=self.settings.plan_spec == "auto")
+        self.on_plan(plan)
+        return plan, items
+
+    def made_for(self, name: str) -> dict:
+        """What a plan file must have been made for (its output usage is checked apart: see `plan`).
+        A percentage budget adds how it resolves now (its fixed bytes, or this program's own peak), so a
+        plan is never reused for other bytes (and the plan cache keys them apart)."""
+        t = self.target
+        return {"kind": "training" if name == "training step" else "inference", "budget": str(self.settings.budget),
+                "device_profile": t.profile.name, "executor": t.executor.name, "offload": t.offload,
+                **self.resolution.made_for()}
+
+    def fuse(
+        self, jg: JointGraph, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None, *,
+        measure: bool | None = None,
+    ) -> tuple[Problem, list]:
+        """The problem the solver sees (each group merged into one op) and, per op, its node or group.
+        `cache`: kernels and their timings from earlier calls for this graph. `measure`: time the groups
+        (default: as the target does); otherwise their time is the roofline's."""
+        if not groups_of_ops:
+            return built.problem, list(built.nodes)
+        t = self.target
+        measure = t.measure if measure is None else measure
+        groups = [build_group(jg, built.problem, c, built.nodes) for c in groups_of_ops]
+        compile_groups(groups, t.executor, t.device, measure, cache)
+        times = [g.time_s if measure else roofline_time(g, t.profile) for g in groups]
+        fused = fuse_ops(built.problem, groups_of_ops, times)
+        by_first = {c[0]: g for c, g in zip(groups_of_ops, groups)}
+        ops = [
+            dataclasses.replace(op, workspace_bytes=by_first[unit[0]].workspace_bytes) if unit[0] in by_first else op
+            for op, unit in zip(fused.problem.ops, fused.members)
+        ]
+        problem = dataclasses.replace(fused.problem, ops=ops)
+        items = [by_first[unit[0]] if unit[0] in by_first else built.nodes[unit[0]] for unit in fused.members]
+        return problem, items
+
+    def _solve_graph(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None) -> tuple[Plan, list]:
+        t = self.target
+        costs = self.costs(gm, jg)
+        built = build_problem(
+            jg, t.profile, name=name, measured=costs,
+            offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
+        )
+        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        if costs is not None and not costs.scratch_measured:
+            plan.stats.notes.append("planned while another profiler was running: kernel scratch space was not measured "
+                                    "(counted as 0) and no op writes into a dying input")
+        return plan, items
+
+    def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int) -> tuple[Plan, list]:
+        """Plan with the executor's vertical groups; then try each horizontal group, kept only if the
+        plan with it is faster and its peak no higher (fusing independent ops makes their outputs
+        live together, which is how memory-blind fusion inflates peaks)."""
+        fusible = [self.target.executor.can_fuse(n) for n in built.nodes]
+        groups = find_groups(built.problem, fusible)
+        compiled: dict = {}
+        problem, items = self.fuse(jg, built, groups, compiled)
+        plan = self._solve(problem, graph_nodes, items)
+        taken = {o for c in groups for o in c}
+        for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
+            trial_problem, trial_items = self.fuse(jg, built, groups + [cand], compiled)
+            label = f"horizontal group of {len(cand)} {built.nodes[cand[0]].target}"
+            try:
+                trial = self._solve(trial_problem, graph_nodes, trial_items, plan.budget_bytes)
+            except BudgetInfeasibleError:
+                plan.stats.notes.append(f"{label}: rejected, no plan fits the budget with it")
+                continue
+            mib = 2**20
+            if trial.sim.time_s < plan.sim.time_s and trial.sim.peak_bytes <= plan.sim.peak_bytes:
+                trial.stats.notes += plan.stats.notes + [f"{label}: kept"]
+                plan, items, groups = trial, trial_items, groups + [cand]
+            else:
+                plan.stats.notes.append(
+                    f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "
+                    f"time {trial.sim.time_s * 1e3:.3f} ms vs {plan.sim.time_s * 1e3:.3f}"
+                )
+        return plan, items
+
+    def _solve(self, problem: Problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
+        baseline = simulate(problem, default_schedule(problem))
+        from_reference = budget_bytes is None and self.resolution.resolved
+        if budget_bytes is None:
+            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
+        limit = self.settings.time_limit_s
+        if limit is None:  # grows with the graph: planning stays a small share of compile time
+            limit = max(DEFAULT_TIME_LIMIT_S, DEFAULT_S_PER_OP * len(problem.ops))
+        progress = LiveLine() if self.settings.progress else False
+        # checkpointing already in the model caps the budget: never above the user's own plan
+        try:
+            budget_bytes, sol = solve_within_user_checkpointing(
+                problem, items, budget_bytes, lambda b: solve(problem, b, time_limit_s=limit, progress=progress)
+            )
+        except BudgetInfeasibleError as e:
+            if from_reference:
+                e.args = (f"{e.args[0]}; {self.resolution.explain()}, and this program's unplanned peak is "
+                          f"{baseline.peak_bytes / 2**20:.2f} MiB",)
+            raise
+        t = self.target
+        return Plan(
+            problem=problem,
+            schedule=sol.schedule,
+            sim=sol.sim,
+            baseline=sol.baseline,
+            stats=sol.stats,
+            budget_bytes=budget_bytes,
+            budget_spec=str(self.settings.budget),
+            lower_bound_bytes=sol.lower_bound_bytes,
+            profile=t.profile,
+            timing="measured" if t.measure else "roofline",
+            graph_nodes=graph_nodes,
+            executor=t.executor.name,
+            fusion_groups=[[n.name for n in it.nodes] for it in items or [] if isinstance(it, Group)],
+        )
+
+    def _carried_plan(self, fp: dict, name: str) -> PlanFile | None:
+        wanted = self.made_for(name)
+        return next((pf for pf in self.carried.get(fp["hash"], ()) if pf.describe_mismatch(fp, **wanted) is None), None)
+
+    def _record_budget(self, plan: Plan, fp: dict) -> None:
+        """How the budget was resolved, on the plan; the first training program fixes a percentage's bytes
+        (the percentage of its unplanned peak, not a cap the plan itself applied)."""
+        peak = plan.baseline.peak_bytes
+        plan.budget_from = self.resolution.source(peak, fp["hash"])
+        if plan.kind == "training":
+            self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])

@@ -146,7 +146,7 @@ def run_one(model, grads, foreach: bool, steps: int, inductor: bool, repeat: int
         variants[name] = (opt_step, state)
 
     # the reference program: the same Dynamo graph run op by op, with addcmul_/addcdiv_ kept whole
-    # (optsched puts back the mul + fma Dynamo splits them into; optsched/restore_ops.py)
+    # (optsched puts back the mul + fma Dynamo splits them into; optsched/passes/restore_ops.py)
     traced_compiled = torch.compile(step_fn(traced[1]), backend="eager", fullgraph=True)
 
     def traced_step():

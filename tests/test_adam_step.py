@@ -527,7 +527,7 @@ def test_adam_step(foreach, executor, monkeypatch):
     for _ in range(3):
         step()
         # the traced program run op by op, with addcmul_/addcdiv_ whole: optsched puts back the
-        # ops Dynamo splits into mul + fma (optsched/restore_ops.py)
+        # ops Dynamo splits into mul + fma (optsched/passes/restore_ops.py)
         with torch._dynamo.config.patch(enable_dynamo_decompositions=False):
             ref()
         eager_opt.step()

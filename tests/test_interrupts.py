@@ -2,7 +2,7 @@
 
 CP-SAT catches SIGINT itself by default and ends its search as if time were up, which
 turned a Ctrl-C into a cut-short plan (saved, then reused). Every solve goes through
-`cpsat_common.run_solver`, which leaves SIGINT to Python and stops the search.
+`cpsat/common.run_solver`, which leaves SIGINT to Python and stops the search.
 
 SIGINT is sent to this very process (os.kill from a thread) only while a solve is running:
 the thread waits for the solver's worker thread (`SOLVER_THREAD`) and never fires after the

@@ -293,7 +293,7 @@ def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the machine the H100 plan is made for")
 def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
     """Issue 6's hand-over: plan on a CPU for H100, load the file on the GPU. The GPU's SDPA choice
-    is a prediction (optsched.sdpa_prediction.predict_sdpa_backend); a wrong one fails here by naming the
+    is a prediction (optsched.capture.sdpa_prediction.predict_sdpa_backend); a wrong one fails here by naming the
     attention node."""
     path = tmp_path / "h100.json"
     factory, batch = _gpt_factory(torch.bfloat16)

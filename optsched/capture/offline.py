@@ -12,7 +12,7 @@ device it was made for.
 
 The fake tensors are CPU tensors (AOTAutograd cannot trace the backward of fake CUDA tensors in a
 CPU-only build). For a CUDA profile the capture is made to be the GPU's graph anyway: devices do
-not enter the fingerprint (optsched.fingerprint), and `scaled_dot_product_attention`, the one op
+not enter the fingerprint (optsched.capture.fingerprint), and `scaled_dot_product_attention`, the one op
 whose kernel depends on the device, calls the CUDA kernel the profile's GPU is predicted to pick
 (`predict_sdpa_backend`: cuDNN, flash, memory-efficient or math attention) instead of the CPU one.
 The prediction follows PyTorch's dispatch rules; if the GPU picks otherwise, `optimize` refuses
@@ -144,7 +144,7 @@ class OfflineBackend(PlanningBackend):
         attention kernels a cpu-profile capture contains: torch's FLOP registry has no formula for
         them, so the roofline would count only their bytes. They get the formula of the CUDA flash
         kernel (same operands). A CUDA-profile capture holds the CUDA kernels themselves (see
-        `sdpa_prediction.CudaAttention`), costed by their own formulas; nothing is overridden then."""
+        `capture/sdpa_prediction.CudaAttention`), costed by their own formulas; nothing is overridden then."""
         times = {}
         for node in jg.compute:
             stands_for = _CPU_ATTENTION.get(getattr(getattr(node.target, "overloadpacket", None), "__name__", ""))

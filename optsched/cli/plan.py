@@ -1,5 +1,5 @@
 """`optsched plan`: import a model factory, build the model and its inputs as fake tensors and
-plan one training step for a device profile (`optsched.offline.plan_offline`).
+plan one training step for a device profile (`optsched.capture.offline.plan_offline`).
 
 The only command that imports torch, and only when it runs: this module imports without it.
 """

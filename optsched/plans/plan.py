@@ -69,7 +69,7 @@ class Plan:
     graph_nodes: int = 0  # fx nodes of the captured graph, views and getitems included
     executor: str = "eager"
     fusion_groups: list[list[str]] = field(default_factory=list)  # member node names per group
-    fingerprint: dict | None = None  # of the captured graph (see optsched.fingerprint)
+    fingerprint: dict | None = None  # of the captured graph (see optsched.capture.fingerprint)
     offload_allowed: bool = False
     # how a percentage budget was resolved (BudgetResolution.source): {"program", "unplanned_peak_bytes",
     # "fingerprint"} of the program the percentage was taken of; None for bytes or no budget
@@ -146,7 +146,7 @@ class Plan:
         return out
 
     def to_file_data(self) -> dict:
-        """Everything a plan file holds (see optsched.plan_file), before sealing."""
+        """Everything a plan file holds (see optsched.plans.file_format), before sealing."""
         p, sim = self.problem, self.sim
         return {
             "optsched_version": _version(),

@@ -347,7 +347,7 @@ def optimize(
     plan: a plan file. If it exists and was made for this graph (fingerprint), budget,
     profile, executor and offload setting, it is used without solving; if it does not
     exist, the plan is solved and saved there. "auto": a file in the plan cache
-    ($OPTSCHED_CACHE_DIR, else ~/.cache/optsched/plans) keyed by all of these.
+    ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of these.
     on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
     (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
     """

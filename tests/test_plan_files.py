@@ -245,3 +245,15 @@ def test_a_save_that_fails_after_planning_warns_and_the_step_runs(tmp_path, monk
     loss.backward()
     assert opt.plan is not None and not path.exists()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_plan_cache_folder_is_the_environment_variable_else_the_platform_cache(tmp_path, monkeypatch):
+    from optsched.plans.cache import cache_dir
+
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("OPTSCHED_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if sys.platform.startswith("linux"):
+        assert cache_dir() == tmp_path / "xdg" / "optsched" / "plans"
+    assert cache_dir().name == "plans" and "optsched" in cache_dir().parts

@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import platformdirs
+
 from .file_format import PlanCacheWarning, PlanFileError, PlanFileWarning
 
 
@@ -31,11 +33,11 @@ def plan_path(spec: str | None, fingerprint_hash: str, made_for: dict) -> Path |
 
 
 def cache_dir() -> Path:
-    """Where optimize(plan="auto") keeps plans: $OPTSCHED_CACHE_DIR, else the user's cache folder."""
+    """Where optimize(plan="auto") keeps plans: $OPTSCHED_CACHE_DIR, else the user's cache folder as
+    platformdirs names it (~/.cache/optsched/plans on Linux, $XDG_CACHE_HOME respected)."""
     if os.environ.get("OPTSCHED_CACHE_DIR"):
         return Path(os.environ["OPTSCHED_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "optsched" / "plans"
+    return Path(platformdirs.user_cache_dir("optsched", appauthor=False)) / "plans"
 
 
 def check_writable(path: str | os.PathLike) -> str | None:

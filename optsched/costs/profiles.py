@@ -12,6 +12,8 @@ functions import torch when first called.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +86,11 @@ def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
+log = logging.getLogger(__name__)
+FLOP_FORMULA_FAILURES: Counter[str] = Counter()
+"""Per op overload, how often torch's FLOP formula raised (the op then costs its bytes only)."""
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for)."""
     from torch.utils._pytree import tree_map
@@ -98,7 +105,12 @@ def node_flops(node: fx.Node) -> int:
     kwargs = tree_map(_val, node.kwargs)
     try:
         return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # a formula that does not accept this overload's arguments
+    except Exception as e:  # noqa: BLE001 - a formula that does not accept this overload's arguments: 0 FLOPs, said and counted
+        name = str(target)
+        if not FLOP_FORMULA_FAILURES[name]:
+            log.info("no FLOP count for %s: torch's formula raised %s: %s; counted as 0 FLOPs (its bytes still count)",
+                     name, type(e).__name__, e)
+        FLOP_FORMULA_FAILURES[name] += 1
         return 0
 
 

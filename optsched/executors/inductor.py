@@ -11,6 +11,7 @@ input, in the same kernel, instead of a separate pass.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from ..capture.fingerprint import structure_hash
+
+log = logging.getLogger(__name__)
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "prod"}
 _CASTS = {"_to_copy", "clone"}
@@ -74,6 +77,7 @@ class InductorExecutor:
     def __init__(self) -> None:
         self._kernels: dict[tuple, list[_Kernel]] = {}
         self.compilations = 0
+        self.exact_shape_fallbacks: list[str] = []  # why a group got a kernel for its exact shapes only
 
     def can_fuse(self, node: fx.Node) -> bool:
         """Pointwise ops, casts and plain reductions with one tensor output, and pointwise `out=`
@@ -115,8 +119,12 @@ class InductorExecutor:
             kernel = _Kernel(_as_tuple(compiled), fakes, mode.shape_env)
             if kernel.accepts(example):
                 return kernel
-        except Exception:  # noqa: BLE001 - some graphs do not compile with symbolic sizes: fall back
-            pass
+            reason = "the symbolic kernel's shape guards reject its own example"
+        except Exception as e:  # noqa: BLE001 - some graphs do not compile with symbolic sizes: exact shapes, said and counted
+            reason = f"the symbolic compile failed: {type(e).__name__}: {e}"
+        self.exact_shape_fallbacks.append(reason)
+        log.info("inductor executor: a group of %d nodes gets a kernel for its exact shapes only (%s)",
+                 len(gm.graph.nodes), reason)
         real = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in example]
         with torch._guards.tracing(None):
             compiled = torch._inductor.compile(gm, real)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..plans.file_format import TIMELINE_POINTS, load_plan
@@ -75,27 +76,75 @@ def _fmt_mib(b) -> str:
 
 def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 120) -> Path:
     """Write the memory timeline of a plan file's data (`PlanFile.data`) to `path` (PNG). Returns the path."""
+    t = _Timeline.read(plan_file_data)
+    fig, ax, axo = _figure(len(t.offloads), dpi)
+    n_u, nf_u, per_u = _unplanned_layout(t.tl, t.s, len(t.unplanned)) if t.unplanned else (0, 0, 1)
+    to_x = _stretch(nf_u, n_u, t.nf, t.n)
+    x_max = max(t.n, to_x(n_u) if t.unplanned else 0, 1)
+    _draw_phases(ax, axo, t, x_max)
+    _draw_curves(ax, t, to_x, n_u, per_u)
+    _draw_marks(ax, t, to_x, n_u, per_u, x_max)
+    tops = [v for v in (t.peak, t.unplanned_peak, t.budget, max(t.live, default=0)) if v]
+    ax.set_xlim(0, x_max)
+    ax.set_ylim(0, max(tops, default=MIB) / MIB * 1.14 or 1.0)
+    ax.set_ylabel("live device memory (MiB)", fontsize=11)
+    ax.grid(axis="y", color="#dddddd", lw=0.8, zorder=0)
+    ax.set_axisbelow(True)
+    handles, labels = _legend_entries(ax, t)
+    _draw_offloads(ax, axo, t)
+    _finish(fig, t, handles, labels)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=dpi)
+    return path
+
+
+@dataclass
+class _Timeline:
+    """A plan file's `timeline` section, with what the figure needs from its summary and made_for."""
+
+    tl: dict
+    s: dict
+    mf: dict
+    live: list[int]
+    per: int
+    n: int
+    nf: int
+    rc: list[int]
+    offloads: list[dict]
+    peak: int | None
+    peak_step: int | None
+    budget: int | None
+    unplanned: list[int]
+    unplanned_peak: int | None
+    kind: str
+
+    @classmethod
+    def read(cls, data: dict) -> _Timeline:
+        tl, s, mf = data["timeline"], data.get("summary", {}), data.get("made_for", {})
+        live = [int(v) for v in tl.get("live_bytes", [])]
+        per = max(1, int(tl.get("steps_per_point", 1)))
+        n = int(tl.get("n_steps", len(live) * per))
+        unplanned = [int(v) for v in tl.get("unplanned_live_bytes", [])]
+        return cls(
+            tl, s, mf, live, per, n,
+            nf=int(tl.get("n_forward_steps", n)),
+            rc=[int(k) for k in tl.get("recompute_steps", [])],
+            offloads=sorted(tl.get("offloads", []), key=lambda o: (o["release"], o["prefetch"])),
+            peak=tl.get("peak_bytes"),
+            peak_step=tl.get("peak_step"),
+            budget=tl.get("budget_bytes"),
+            unplanned=unplanned,
+            unplanned_peak=tl.get("unplanned_peak_bytes") or (max(unplanned) if unplanned else None),
+            kind=data.get("kind") or mf.get("kind") or s.get("kind") or "training",
+        )
+
+
+def _figure(lanes: int, dpi: int):
+    """The figure, its memory axes, and the offload band's axes below them when anything is offloaded."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-    from matplotlib.transforms import blended_transform_factory
 
-    data = plan_file_data
-    tl, s, mf = data["timeline"], data.get("summary", {}), data.get("made_for", {})
-    live = [int(v) for v in tl.get("live_bytes", [])]
-    per = max(1, int(tl.get("steps_per_point", 1)))
-    n = int(tl.get("n_steps", len(live) * per))
-    nf = int(tl.get("n_forward_steps", n))
-    rc = [int(k) for k in tl.get("recompute_steps", [])]
-    offloads = sorted(tl.get("offloads", []), key=lambda o: (o["release"], o["prefetch"]))
-    peak, peak_step = tl.get("peak_bytes"), tl.get("peak_step")
-    budget = tl.get("budget_bytes")
-    unplanned = [int(v) for v in tl.get("unplanned_live_bytes", [])]
-    unplanned_peak = tl.get("unplanned_peak_bytes") or (max(unplanned) if unplanned else None)
-    kind = data.get("kind") or mf.get("kind") or s.get("kind") or "training"
-
-    lanes = len(offloads)
     if lanes:
         band = min(3.2, 0.9 + 0.16 * lanes)
         fig = Figure(figsize=(14, 6.2 + band), dpi=dpi)
@@ -107,17 +156,14 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
         ax = fig.add_subplot(1, 1, 1)
         axo = None
     FigureCanvasAgg(fig)
+    return fig, ax, axo
 
-    n_u, nf_u, per_u = _unplanned_layout(tl, s, len(unplanned)) if unplanned else (0, 0, 1)
-    to_x = _stretch(nf_u, n_u, nf, n)
-    stretched = unplanned and to_x(n_u) != n_u
-    x_max = max(n, to_x(n_u) if unplanned else 0, 1)
-    tops = [v for v in (peak, unplanned_peak, budget, max(live, default=0)) if v]
-    y_max = max(tops, default=MIB) / MIB * 1.14 or 1.0
 
-    # phases
-    both = [a for a in (ax, axo) if a is not None]
-    for a in both:
+def _draw_phases(ax, axo, t: _Timeline, x_max: float) -> None:
+    from matplotlib.transforms import blended_transform_factory
+
+    nf, n = t.nf, t.n
+    for a in [a for a in (ax, axo) if a is not None]:
         a.axvspan(0, nf, color=FORWARD_BG, zorder=0, lw=0)
         if nf < x_max:
             a.axvspan(nf, x_max, color=BACKWARD_BG, zorder=0, lw=0)
@@ -129,11 +175,15 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
         ax.text((nf + x_max) / 2, 0.975, f"backward ({n - nf} steps)", transform=top, ha="center", va="top",
                 fontsize=11, color="#8a4b16", weight="bold")
 
-    # curves
-    if unplanned:
-        edges_u = [to_x(e) for e in _edges(len(unplanned), per_u, n_u)]
+
+def _draw_curves(ax, t: _Timeline, to_x, n_u: int, per_u: int) -> None:
+    """The unplanned and planned live bytes, and the budget line."""
+    live, per, n, budget = t.live, t.per, t.n, t.budget
+    if t.unplanned:
+        stretched = to_x(n_u) != n_u
+        edges_u = [to_x(e) for e in _edges(len(t.unplanned), per_u, n_u)]
         how = f"{n_u} steps, backward stretched to align" if stretched else f"{n_u} steps"
-        ax.stairs([v / MIB for v in unplanned], edges_u, color=UNPLANNED, lw=1.4, ls=(0, (4, 2)), zorder=2,
+        ax.stairs([v / MIB for v in t.unplanned], edges_u, color=UNPLANNED, lw=1.4, ls=(0, (4, 2)), zorder=2,
                   baseline=None, label=f"unplanned: captured order, all saved ({how})")
     if live:
         edges = _edges(len(live), per, n)
@@ -142,14 +192,16 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
         ax.stairs([v / MIB for v in live], edges, color=PLANNED, alpha=0.12, fill=True, zorder=2)
     else:
         ax.text(0.5, 0.5, "this plan file has no timeline", transform=ax.transAxes, ha="center")
-
-    # budget
     if budget:
-        spec = str(mf.get("budget", ""))
+        spec = str(t.mf.get("budget", ""))
         ax.axhline(budget / MIB, color=BUDGET, lw=1.5, ls="--", zorder=4,
                    label=f"budget {_fmt_mib(budget)}" + (f" ({spec})" if spec.endswith("%") else ""))
 
-    # recompute steps: on the curve, at the step's centre
+
+def _draw_marks(ax, t: _Timeline, to_x, n_u: int, per_u: int, x_max: float) -> None:
+    """Recompute steps (on the curve, at the step's centre), the predicted peak and the unplanned one."""
+    live, per, rc, peak, peak_step, budget = t.live, t.per, t.rc, t.peak, t.peak_step, t.budget
+    nf, unplanned, unplanned_peak = t.nf, t.unplanned, t.unplanned_peak
     if rc and live:
         ys = [live[min(k // per, len(live) - 1)] / MIB for k in rc]
         ax.plot([k + 0.5 for k in rc], ys, ls="none", marker="D", ms=5 if len(rc) <= 60 else 3, mfc=RECOMPUTE,
@@ -177,12 +229,12 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
         ax.annotate(f"unplanned peak {_fmt_mib(unplanned_peak)}", xy=(ux, unplanned_peak / MIB),
                     xytext=(8, 4), textcoords="offset points", fontsize=9, color="#555555", zorder=8)
 
-    ax.set_xlim(0, x_max)
-    ax.set_ylim(0, y_max)
-    ax.set_ylabel("live device memory (MiB)", fontsize=11)
-    ax.grid(axis="y", color="#dddddd", lw=0.8, zorder=0)
-    ax.set_axisbelow(True)
 
+def _legend_entries(ax, t: _Timeline) -> tuple[list, list]:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    s, offloads, lanes = t.s, t.offloads, len(t.offloads)
     handles, labels = ax.get_legend_handles_labels()
     if lanes:
         handles.append(Patch(fc=OFFLOAD, ec=OFFLOAD, alpha=0.55, hatch="///"))
@@ -190,35 +242,43 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
                       f"{_fmt_mib(s.get('offloaded_bytes', sum(o['bytes'] for o in offloads)))})")
         handles.append(Line2D([], [], color=OFFLOAD, lw=1.2))
         labels.append("offload copy out / copy back in flight")
+    return handles, labels
 
-    # offloads: one lane per tensor
-    if axo is not None:
-        for j, o in enumerate(offloads):
-            y = lanes - 1 - j
-            rel, pre = o["release"], o["prefetch"]
-            axo.barh(y, max(pre - rel, 0.5), left=rel, height=0.62, color=OFFLOAD, alpha=0.55, hatch="///",
-                     edgecolor=OFFLOAD, lw=0.6, zorder=3)
-            prod, first = o.get("produced", rel), o.get("first_read", pre)
-            axo.plot([prod + 0.5, rel], [y, y], color=OFFLOAD, lw=1.2, zorder=3)
-            axo.plot([pre, first + 0.5], [y, y], color=OFFLOAD, lw=1.2, zorder=3)
-        if lanes <= 24:
-            axo.set_yticks(range(lanes))
-            axo.set_yticklabels([f"{o['tensor']} {o['bytes'] / MIB:.1f} MiB" for o in reversed(offloads)],
-                                fontsize=8 if lanes > 10 else 9)
-        else:
-            axo.set_yticks([])
-        axo.set_ylim(-0.6, lanes - 0.4)
-        axo.set_ylabel(f"offloaded ({lanes})", fontsize=10)
-        axo.grid(axis="x", color="#e5e5e5", lw=0.6)
-        axo.set_xlabel(_xlabel(per), fontsize=11)
-        for label in ax.get_xticklabels():
-            label.set_visible(False)
-    else:
+
+def _draw_offloads(ax, axo, t: _Timeline) -> None:
+    """One lane per offloaded tensor below the memory axes (the x label goes to the lowest axes)."""
+    offloads, lanes, per = t.offloads, len(t.offloads), t.per
+    if axo is None:
         ax.set_xlabel(_xlabel(per), fontsize=11)
+        return
+    for j, o in enumerate(offloads):
+        y = lanes - 1 - j
+        rel, pre = o["release"], o["prefetch"]
+        axo.barh(y, max(pre - rel, 0.5), left=rel, height=0.62, color=OFFLOAD, alpha=0.55, hatch="///",
+                 edgecolor=OFFLOAD, lw=0.6, zorder=3)
+        prod, first = o.get("produced", rel), o.get("first_read", pre)
+        axo.plot([prod + 0.5, rel], [y, y], color=OFFLOAD, lw=1.2, zorder=3)
+        axo.plot([pre, first + 0.5], [y, y], color=OFFLOAD, lw=1.2, zorder=3)
+    if lanes <= 24:
+        axo.set_yticks(range(lanes))
+        axo.set_yticklabels([f"{o['tensor']} {o['bytes'] / MIB:.1f} MiB" for o in reversed(offloads)],
+                            fontsize=8 if lanes > 10 else 9)
+    else:
+        axo.set_yticks([])
+    axo.set_ylim(-0.6, lanes - 0.4)
+    axo.set_ylabel(f"offloaded ({lanes})", fontsize=10)
+    axo.grid(axis="x", color="#e5e5e5", lw=0.6)
+    axo.set_xlabel(_xlabel(per), fontsize=11)
+    for label in ax.get_xticklabels():
+        label.set_visible(False)
 
+
+def _finish(fig, t: _Timeline, handles: list, labels: list) -> None:
+    """Title, subtitle, legend above the axes, and the margins they need."""
+    s, mf, budget, lanes = t.s, t.mf, t.budget, len(t.offloads)
     height = fig.get_figheight()
-    fig.suptitle(_title(kind, mf, s, budget), fontsize=13, weight="bold", x=0.01, ha="left", y=1 - 0.12 / height)
-    fig.text(0.01, 1 - 0.42 / height, _subtitle(s, peak, budget, unplanned_peak), fontsize=10, color="#333333",
+    fig.suptitle(_title(t.kind, mf, s, budget), fontsize=13, weight="bold", x=0.01, ha="left", y=1 - 0.12 / height)
+    fig.text(0.01, 1 - 0.42 / height, _subtitle(s, t.peak, budget, t.unplanned_peak), fontsize=10, color="#333333",
              ha="left", va="top")
     left = 0.12 if lanes else 0.06
     ncol = 2
@@ -228,11 +288,6 @@ def plot_timeline(plan_file_data: dict, path: str | os.PathLike, *, dpi: int = 1
                frameon=False, handlelength=2.4, columnspacing=2.0)
     top = legend_top - (rows * 0.24 + 0.12) / height
     fig.subplots_adjust(left=left, right=0.975, top=top, bottom=0.6 / height)
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=dpi)
-    return path
 
 
 def _xlabel(per: int) -> str:

@@ -22,6 +22,7 @@ from .plan_file import PlanFile, PlanMismatchError, cache_dir, load_plan
 from .output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
 from .plan_reuse import plan_from_file
 from .foreach_split import split_foreach as split_foreach_ops
+from .identity_clones import drop_identity_clones
 from .inplace import fold_copy_back
 from .restore_ops import restore_fused_pointwise
 from .scalar_batching import batch_scalar_foreach, batch_scalar_ops
@@ -120,7 +121,7 @@ class PlanningBackend:
         # hears when a backward shows otherwise (the next call then plans with what was seen)
         self.usage = usage
         self.on_usage = on_usage
-        self._observer: UsageObserver | None = None
+        self.observer: UsageObserver | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         check_static_sizes(gm)  # data-dependent sizes: a CaptureError before any planning code sees them
@@ -150,7 +151,7 @@ class PlanningBackend:
         return boxed(gm)
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs):
-        run, observer = boxed(gm), self._observer
+        run, observer = boxed(gm), self.observer
         if observer is None:
             return run
         n_outputs = observer.n_outputs
@@ -165,7 +166,7 @@ class PlanningBackend:
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs):
         """The backward, taking None for an output no gradient flowed into (see output_usage)."""
-        run, observer = boxed(gm), self._observer
+        run, observer = boxed(gm), self.observer
         positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
                      if n.name.startswith("tangents")]
 
@@ -336,11 +337,13 @@ class PlanningBackend:
         return cache_dir() / f"{fp['hash'][:20]}-{key}.json"
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        drop_identity_clones(joint)  # dropout(p=0) and the like: eager returns the input, the trace copies it
         jg = build_joint_graph(joint, num_fwd_outputs)
         usage, tangent_of = self._training_usage(joint, jg)
         plan, items = self._planned(joint, jg, "training step", usage)
-        fixed = [scalar or view for scalar, view in zip(_scalar_outputs(jg), _view_outputs(jg))]
-        self._observer = UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, fixed)
+        self.observer = UsageObserver(
+            OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, _scalar_outputs(jg), _view_outputs(jg)
+        )
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
@@ -351,7 +354,7 @@ class PlanningBackend:
         tangent_of = tangent_outputs(joint, jg.tangents)
         if self.usage is not None and len(self.usage.grad) == len(jg.fw_outputs):
             return self.usage, tangent_of
-        return default_usage(jg.fw_outputs, tangent_of, _view_outputs(jg)), tangent_of
+        return default_usage(jg.fw_outputs, tangent_of), tangent_of
 
     def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
         # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step

@@ -38,6 +38,7 @@ from .budget import parse_planning_options
 from .costs import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from .executors import NAMES as EXECUTORS
 from .joint_graph import build_joint_graph
+from .identity_clones import drop_identity_clones
 from .plan import Plan
 from .sdpa_prediction import CudaAttention
 
@@ -156,6 +157,7 @@ class OfflineBackend(PlanningBackend):
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         self._captured()
+        drop_identity_clones(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
         self._planned(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()

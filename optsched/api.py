@@ -154,6 +154,9 @@ class Dispatcher:
             self.owner.__dict__["plan"] = entry.plan
         if key[0][0]:  # grad mode: outputs no gradient flows into get None in the backward, not full zeros
             release_unused_grads(out)
+            observer = entry.backend.observer if entry.backend is not None else None
+            if observer is not None:
+                observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours
         return out
 
     def _add(self, key: Hashable) -> _Entry:

@@ -18,6 +18,7 @@ from ..budget import BudgetResolution
 from ..costs.measure import device_of
 from ..lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from ..lower.programs import boxed, lower_inference, lower_training
+from ..passes.identity_clones import drop_identity_clones
 from ..passes.prepare import prepare_inference
 from ..planner import Planner, Target
 from ..plans.file_format import PlanFile
@@ -63,7 +64,7 @@ class PlanningBackend:
         self.carried = carried or {}
         self.usage = usage
         self.on_usage = on_usage
-        self._observer: UsageObserver | None = None
+        self.observer: UsageObserver | None = None
         self.planner: Planner | None = None  # made when the graph (and so the device) is known
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -90,7 +91,7 @@ class PlanningBackend:
         return boxed(gm)
 
     def _compile_forward(self, gm: fx.GraphModule, example_inputs):
-        run, observer = boxed(gm), self._observer
+        run, observer = boxed(gm), self.observer
         if observer is None:
             return run
         n_outputs = observer.n_outputs
@@ -105,7 +106,7 @@ class PlanningBackend:
 
     def _compile_backward(self, gm: fx.GraphModule, example_inputs):
         """The backward, taking None for an output no gradient flowed into (see output_usage)."""
-        run, observer = boxed(gm), self._observer
+        run, observer = boxed(gm), self.observer
         positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
                      if n.name.startswith("tangents")]
 
@@ -120,11 +121,13 @@ class PlanningBackend:
         return backward
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        drop_identity_clones(joint)  # dropout(p=0) and the like: eager returns the input, the trace copies it
         jg = build_joint_graph(joint, num_fwd_outputs)
         usage, tangent_of = self._training_usage(joint, jg)
         plan, items = self.planner.plan(joint, jg, "training step", usage)
-        fixed = [scalar or view for scalar, view in zip(_scalar_outputs(jg), _view_outputs(jg))]
-        self._observer = UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, fixed)
+        self.observer = UsageObserver(
+            OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, _scalar_outputs(jg), _view_outputs(jg)
+        )
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
         )
@@ -135,7 +138,7 @@ class PlanningBackend:
         tangent_of = tangent_outputs(joint, jg.tangents)
         if self.usage is not None and len(self.usage.grad) == len(jg.fw_outputs):
             return self.usage, tangent_of
-        return default_usage(jg.fw_outputs, tangent_of, _view_outputs(jg)), tangent_of
+        return default_usage(jg.fw_outputs, tangent_of), tangent_of
 
     def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
         # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step

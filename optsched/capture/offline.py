@@ -41,6 +41,7 @@ from ..budget import parse_planning_options
 from ..costs.profiles import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from ..executors import NAMES as EXECUTORS
 from .joint_graph import build_joint_graph
+from ..passes.identity_clones import drop_identity_clones
 from ..plans.plan import Plan
 from .sdpa_prediction import CudaAttention
 
@@ -154,6 +155,7 @@ class OfflineBackend(PlanningBackend):
 
     def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         self._captured()
+        drop_identity_clones(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
         self.planner.plan(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()

@@ -63,11 +63,9 @@ def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int 
     return out
 
 
-def default_usage(fw_outputs: list, tangent_of: list[int | None], unobservable: list[bool] | None = None) -> OutputUsage:
-    """The plan's guess before any backward was seen (see the module docstring). `unobservable` outputs
-    (views, which AOTAutograd hands out as new tensors over our storage) are taken as held."""
+def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage:
+    """The plan's guess before any backward was seen (see the module docstring)."""
     n = len(fw_outputs)
-    unobservable = unobservable or [False] * n
     differentiable = {i for i in tangent_of if i is not None}
 
     def is_scalar(i: int) -> bool:
@@ -76,32 +74,48 @@ def default_usage(fw_outputs: list, tangent_of: list[int | None], unobservable: 
 
     scalars = {i for i in differentiable if is_scalar(i)}
     grad = tuple(i in (scalars or differentiable) for i in range(n))
-    return OutputUsage(grad, tuple(g or u for g, u in zip(grad, unobservable)))
+    return OutputUsage(grad, grad)
 
 
 class UsageObserver:
     """Watches one compiled program's outputs between its forward and its backward.
 
-    `forward_done` keeps weak references to the tensors the forward returned; `backward_start`
-    reads which tangents arrived and which outputs are still alive, and reports a usage that
-    differs from the plan's through `on_change` (once per program: the next call re-plans)."""
+    `forward_done` keeps weak references to the tensors the forward returned; for a view output (which
+    AOTAutograd hands the caller as a new tensor over our storage) `bind_visible` takes the caller's tensor
+    instead. `backward_start` reads which tangents arrived and which outputs are still alive, and reports a
+    usage that differs from the plan's through `on_change` (once per program: the next call re-plans)."""
 
     def __init__(
         self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage, OutputUsage], None] | None,
-        fixed_held: list[bool] | None = None,
+        scalar: list[bool] | None = None, views: list[bool] | None = None,
     ):
+        n = len(planned.grad)
         self.planned = planned
-        # outputs whose holding is taken from the plan, not observed: 0-dim scalars (it changes no plan) and
-        # views (the caller gets a new tensor over our storage; our weak reference says nothing of it)
-        self.fixed_held = fixed_held or [False] * len(planned.grad)
         self.tangent_of = tangent_of
         self.on_change = on_change
+        self.scalar = scalar or [False] * n  # whether a 0-dim scalar is held changes no plan: not observed
+        self.views = views or [False] * n
         self.refs: list[weakref.ref | None] = []
+        self.storages: list[int | None] = []
+        self.bound = [False] * n
         self.reported = False
-        self.n_outputs = len(planned.grad)
+        self.n_outputs = n
 
     def forward_done(self, outputs: list, n_fw_outputs: int) -> None:
-        self.refs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outputs[:n_fw_outputs]]
+        outs = outputs[:n_fw_outputs]
+        self.refs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outs]
+        self.storages = [o.untyped_storage().data_ptr() if isinstance(o, torch.Tensor) else None for o in outs]
+        self.bound = [False] * self.n_outputs
+
+    def bind_visible(self, outputs) -> None:
+        """The caller's own tensors for view outputs: the leaf of what the call returned over the same storage."""
+        pending = {self.storages[i]: i for i in range(min(len(self.storages), self.n_outputs))
+                   if self.views[i] and not self.bound[i] and self.storages[i] is not None}
+        if not pending:
+            return
+        for t in pytree.tree_leaves(outputs):
+            if isinstance(t, torch.Tensor) and (i := pending.pop(t.untyped_storage().data_ptr(), None)) is not None:
+                self.refs[i], self.bound[i] = weakref.ref(t), True
 
     def backward_start(self, tangents: list) -> None:
         if self.reported or self.on_change is None or not self.refs:
@@ -112,7 +126,8 @@ class UsageObserver:
                 grad[i] = True
         held = [r is not None and r() is not None for r in self.refs]
         held += [False] * (len(grad) - len(held))
-        held = [self.planned.held[i] if self.fixed_held[i] else h for i, h in enumerate(held[: len(grad)])]
+        unseen = [s or (v and not b) for s, v, b in zip(self.scalar, self.views, self.bound)]
+        held = [self.planned.held[i] if unseen[i] else h for i, h in enumerate(held[: len(grad)])]
         seen = OutputUsage(tuple(grad), tuple(held))
         if seen != self.planned:
             self.reported = True

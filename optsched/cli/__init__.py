@@ -144,6 +144,15 @@ examples:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, title="commands")
 
+    _add_plan(sub)
+    _add_show(sub)
+    _add_diff(sub)
+    _add_timeline(sub)
+    return parser
+
+
+def _add_plan(sub) -> None:
+    """`optsched plan`: the model, its inputs, the budget and the planning options."""
     p = sub.add_parser("plan", help="plan a model offline (fake tensors, a device profile's roofline); write a plan file",
                        description=PLAN_DESCRIPTION,
                        epilog=PLAN_EPILOG, formatter_class=_Formatter)
@@ -186,6 +195,9 @@ examples:
                         "instead of one line")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_show(sub) -> None:
+    """`optsched show PLAN.json`."""
     p = sub.add_parser("show", help="a plan file's summary: peak vs budget and unplanned, time, decisions, solver status",
                        description=SHOW_DESCRIPTION,
                        epilog="example:\n  optsched show plan.json\n\nexit status: 0 shown; 2 the file is "
@@ -194,6 +206,9 @@ examples:
     p.add_argument("plan", metavar="PLAN.json", help="a plan file (from `optsched plan`, Plan.save or optimize(plan=...))")
     p.set_defaults(func=cmd_show)
 
+
+def _add_diff(sub) -> None:
+    """`optsched diff A.json B.json`."""
     p = sub.add_parser("diff", help="what differs between two plan files: settings, graph, figures, decisions",
                        description=DIFF_DESCRIPTION,
                        epilog="example:\n  optsched diff plan_70.json plan_50.json\n\nexit status: 0 compared "
@@ -203,6 +218,9 @@ examples:
     p.add_argument("b", metavar="B.json", help="the second plan file (column B; deltas are B - A)")
     p.set_defaults(func=cmd_diff)
 
+
+def _add_timeline(sub) -> None:
+    """`optsched timeline PLAN.json -o FILE.png`."""
     p = sub.add_parser("timeline", help="a PNG of the predicted device memory over the step",
                        description=TIMELINE_DESCRIPTION,
                        epilog="example:\n  optsched timeline plan.json -o timeline.png\n\nexit status: 0 written; "
@@ -214,7 +232,6 @@ examples:
     p.add_argument("--dpi", type=positive_int, default=120, metavar="N",
                    help="resolution in dots per inch (default: 120, about 1700x1000 pixels)")
     p.set_defaults(func=cmd_timeline)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,68 +61,90 @@ def predict_sdpa_backend(profile: DeviceProfile, q, k, v, attn_mask=None, dropou
     skipped, as the GPU process skips it when it turns the same one off. None for nested tensors and
     for grouped-query attention with fewer key/value heads (enable_gqa), which are not predicted.
     """
-    tensors = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) and not t.is_nested for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and not t.is_nested for t in (q, k, v)):
         return None
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         return None
     if enable_gqa and not (q.dim() >= 3 and q.size(-3) == k.size(-3) == v.size(-3)):
         return None
+    enabled = _enabled_backends()
+    fused = _fused_shapes(q, k, v, attn_mask)
+    fits = {
+        "cudnn": lambda: _cudnn_fits(q, k, v, attn_mask, dropout_p),
+        "flash": lambda: _flash_fits(q, k, v, attn_mask, is_causal),
+        "efficient": lambda: _efficient_fits(q, k, v),
+        "math": lambda: True,
+    }
+    for name in _backend_order(profile):
+        if enabled[name] and (name == "math" or fused) and fits[name]():
+            return name
+    return None
+
+
+def _backend_order(profile: DeviceProfile) -> tuple[str, ...]:
+    """PyTorch's priority order on the profile's GPU (see `predict_sdpa_backend`)."""
     sm = _SM.get(profile.name.lower(), (8, 0))
     cudnn_first = sm[0] in (9, 10) and not _env_true("TORCH_CUDNN_SDPA_DEPRIORITIZED")
-    order = ("cudnn", "flash", "efficient", "math") if cudnn_first else ("flash", "efficient", "math", "cudnn")
-    enabled = {
+    return ("cudnn", "flash", "efficient", "math") if cudnn_first else ("flash", "efficient", "math", "cudnn")
+
+
+def _enabled_backends() -> dict[str, bool]:
+    """The backends this process has not turned off (torch.backends.cuda.enable_*_sdp, sdpa_kernel)."""
+    return {
         "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
         "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled(),
     }
-    fused = (
-        all(t.dim() == 4 for t in tensors)
+
+
+def _fused_shapes(q, k, v, attn_mask) -> bool:
+    """What every fused kernel needs: 4-D q, k, v with the same batch and heads, non-empty sequences, and a
+    mask whose last dim has stride 1."""
+    return (
+        all(t.dim() == 4 for t in (q, k, v))
         and q.size(0) == k.size(0) == v.size(0) and q.size(1) == k.size(1) == v.size(1)
         and q.size(2) > 0 and k.size(2) > 0
         and (attn_mask is None or attn_mask.stride(-1) == 1)
     )
-    stride_1 = fused and all(t.stride(-1) == 1 for t in tensors)
-    stride_1_or_singleton = fused and (stride_1 or q.size(-1) == 1)
-    half = q.dtype in _HALF
 
-    def cudnn() -> bool:
-        if not (stride_1_or_singleton and half):
-            return False
-        if attn_mask is not None:
-            m = attn_mask
-            if m.requires_grad or m.size(-2) not in (q.size(2), 1) or m.size(-1) not in (k.size(2), 1):
-                return False
-            if not (m.dim() == 2 or (m.dim() == 4 and m.size(0) in (1, q.size(0)) and m.size(1) in (1, q.size(1)))):
-                return False
-        if dropout_p * 16 != math.floor(dropout_p * 16):
-            return False
-        if q.size(0) > 65535 or q.size(1) > 65535:
-            return False
-        d_qk, d_v = q.size(3), v.size(3)
-        if d_qk > 128 or d_v > 128 or d_qk % 8 or d_v % 8:
-            return False
-        if k.size(2) == 1 or (dropout_p != 0.0 and q.size(2) == 1):
-            return False
-        return not (torch.are_deterministic_algorithms_enabled()
-                    and not torch.is_deterministic_algorithms_warn_only_enabled())
 
-    def flash() -> bool:
-        return (stride_1_or_singleton and half and attn_mask is None
-                and q.size(-1) == k.size(-1) == v.size(-1) <= 256
-                and not (is_causal and q.size(2) != k.size(2)))
+def _last_dim_stride_1(q, k, v, or_singleton: bool) -> bool:
+    return all(t.stride(-1) == 1 for t in (q, k, v)) or (or_singleton and q.size(-1) == 1)
 
-    def efficient() -> bool:
-        if not (stride_1 and q.dtype in (*_HALF, torch.float32)):
+
+def _cudnn_fits(q, k, v, attn_mask, dropout_p: float) -> bool:
+    if not (_last_dim_stride_1(q, k, v, or_singleton=True) and q.dtype in _HALF):
+        return False
+    if attn_mask is not None:
+        m = attn_mask
+        if m.requires_grad or m.size(-2) not in (q.size(2), 1) or m.size(-1) not in (k.size(2), 1):
             return False
-        align = 8 if half else 4  # minimum_gemm_alignment on sm80+ (tensor cores)
-        return (q.size(-1) == k.size(-1) and q.size(-1) % align == 0 and v.size(-1) % align == 0
-                and all(t.storage_offset() % align == 0 for t in tensors))
+        if not (m.dim() == 2 or (m.dim() == 4 and m.size(0) in (1, q.size(0)) and m.size(1) in (1, q.size(1)))):
+            return False
+    if dropout_p * 16 != math.floor(dropout_p * 16):
+        return False
+    if q.size(0) > 65535 or q.size(1) > 65535:
+        return False
+    d_qk, d_v = q.size(3), v.size(3)
+    if d_qk > 128 or d_v > 128 or d_qk % 8 or d_v % 8:
+        return False
+    if k.size(2) == 1 or (dropout_p != 0.0 and q.size(2) == 1):
+        return False
+    return not (torch.are_deterministic_algorithms_enabled()
+                and not torch.is_deterministic_algorithms_warn_only_enabled())
 
-    rules = {"cudnn": cudnn, "flash": flash, "efficient": efficient, "math": lambda: True}
-    for name in order:
-        if enabled[name] and (name == "math" or fused) and rules[name]():
-            return name
-    return None
+
+def _flash_fits(q, k, v, attn_mask, is_causal: bool) -> bool:
+    return (_last_dim_stride_1(q, k, v, or_singleton=True) and q.dtype in _HALF and attn_mask is None
+            and q.size(-1) == k.size(-1) == v.size(-1) <= 256
+            and not (is_causal and q.size(2) != k.size(2)))
+
+
+def _efficient_fits(q, k, v) -> bool:
+    if not (_last_dim_stride_1(q, k, v, or_singleton=False) and q.dtype in (*_HALF, torch.float32)):
+        return False
+    align = 8 if q.dtype in _HALF else 4  # minimum_gemm_alignment on sm80+ (tensor cores)
+    return (q.size(-1) == k.size(-1) and q.size(-1) % align == 0 and v.size(-1) % align == 0
+            and all(t.storage_offset() % align == 0 for t in (q, k, v)))
 
 
 def _bool_mask_to_additive(mask, dtype, fill: float, on_mask_device: bool):

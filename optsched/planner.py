@@ -213,7 +213,7 @@ class Planner:
         """Plan with the executor's vertical groups; then try each horizontal group, kept only if the
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
-        fusible = [self.target.executor.can_fuse(n) for n in built.nodes]
+        fusible = [self.target.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
         groups = find_groups(built.problem, fusible)
         compiled: dict = {}
         problem, items = self.fuse(jg, built, groups, compiled)
@@ -285,3 +285,18 @@ class Planner:
         plan.budget_from = self.resolution.source(peak, fp["hash"])
         if plan.kind == "training":
             self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _reads_tangent(jg: JointGraph, node: fx.Node) -> bool:
+    """Whether `node` reads a tangent, directly or through views. A tangent no gradient flowed into arrives
+    as a zero broadcast from one element (capture/output_usage.fill_missing_tangents), a layout a group
+    kernel compiled for the traced strides cannot take: such ops stay out of fusion groups."""
+    tangents = set(jg.tangents)
+    stack = list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in tangents:
+            return True
+        if jg.is_view(a):
+            stack.extend(a.all_input_nodes)
+    return False

@@ -202,3 +202,33 @@ def test_a_view_output_is_watched_through_the_callers_tensor(hold):
     assert abs(opt.plan.predicted_peak_bytes - r.peak_bytes) <= ROUNDING
     assert r.peak_bytes <= eager.peak_bytes + ROUNDING
     assert _max_diff(eager.grads, r.grads) == 0.0
+
+
+class _PointwiseExtra(nn.Module):
+    """A loss and an extra output whose backward is pointwise: with the Inductor executor those ops would
+    form a group reading the extra output's tangent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.pow(2).mean(), (h * 2 + 1).relu()
+
+
+def test_a_missing_tangent_never_reaches_a_fused_kernel():
+    # the one-element zero that stands for a missing tangent has stride 0; a group kernel compiled for the
+    # traced (dense) strides rejects it, so ops reading a tangent stay out of groups
+    torch.manual_seed(0)
+    model, x = _PointwiseExtra(), torch.randn(32, 64)
+    model(x)[0].backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    opt = optsched.optimize(model, executor="inductor")
+    for _ in range(2):
+        opt(x)[0].backward()
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        assert _max_diff(eager, got) == 0.0
+    assert opt.plan.summary()["output_usage"] == "gh,--" and opt.plan.summary()["n_fusion_groups"] > 0

@@ -69,81 +69,20 @@ def _check_orders(problem: Problem, schedule: Schedule) -> None:
 def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
     _check_orders(problem, schedule)
-    steps = [(o, False) for o in schedule.fw_order] + [
-        (o, problem.ops[o].phase is Phase.FW) for o in schedule.bw_order
-    ]
+    steps = _steps(problem, schedule)
     n_fw = len(schedule.fw_order)
-    last = max(len(steps) - 1, 0)
-    # copy key: (tensor, recomputed?) -> [start, end]
-    span: dict[tuple[int, bool], list[int]] = {}
-    for t in problem.tensors:
-        if t.kind is TensorKind.INPUT:
-            span[(t.id, False)] = [0, last]
-        elif t.kind is TensorKind.TANGENT:  # the autograd engine holds the seed through the whole backward
-            span[(t.id, False)] = [n_fw, last]
-    recompute_pos: dict[int, int] = {}
-    reads: list[list[tuple[int, bool]]] = []
-    time_s = 0.0
-    recompute_s = 0.0
-    for k, (o, is_rc) in enumerate(steps):
-        op = problem.ops[o]
-        reads.append([])
-        for t in op.inputs:
-            key = (t, k >= n_fw and problem.tensors[t].producer in recompute_pos)
-            reads[-1].append(key)
-            if key not in span or span[key][0] > k:
-                where = "backward" if k >= n_fw else "forward"
-                raise ScheduleError(
-                    f"{where} step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before it exists"
-                )
-            span[key][1] = max(span[key][1], k)
-        if is_rc:
-            recompute_pos[o] = k
-            recompute_s += op.time_s
-        for t in op.outputs:
-            key = (t, is_rc)
-            if key in span:
-                raise ScheduleError(f"{problem.tensors[t].name!r} produced twice")
-            span[key] = [k, k]
-        time_s += op.time_s
-    for t in problem.outputs:
-        if (t, False) in span:
-            span[(t, False)][1] = last
-    for t in problem.returned:
-        if (t, False) in span:
-            span[(t, False)][1] = max(span[(t, False)][1], n_fw - 1)
-    saved = sorted(
-        t
-        for (t, rc), (s, e) in span.items()
-        if not rc
-        and problem.tensors[t].kind is TensorKind.ACTIVATION
-        and s < n_fw <= e
-        and t not in problem.outputs
-    )
+    walk = _walk(problem, steps, n_fw)
+    span = walk.span
+    _hold_caller_values(problem, span, n_fw, last=max(len(steps) - 1, 0))
+    saved = _saved_across_boundary(problem, span, n_fw)
     reused = _apply_reuse(problem, steps, n_fw, span)
+    time_s = walk.time_s
     offload = None
     if schedule.offload:
-        offload = replay_offload(problem, steps, n_fw, span, reads, set(saved), schedule.offload)
+        offload = replay_offload(problem, steps, n_fw, span, walk.reads, set(saved), schedule.offload)
         time_s += offload.exposed_s
-    lifetimes = []
-    for (t, rc), (s, e) in span.items():
-        ev = offload.events.get(t) if offload is not None and not rc else None
-        if ev is None:
-            lifetimes.append(Lifetime(t, s, e, rc))
-        else:  # on the device from its producer until dropped, and again from its prefetch
-            lifetimes.append(Lifetime(t, s, ev.release - 1, False))
-            lifetimes.append(Lifetime(t, ev.prefetch, e, False, prefetched=True))
-    delta = [0] * (len(steps) + 2)
-    for lt in lifetimes:
-        if lt.end >= lt.start:
-            delta[lt.start] += problem.tensors[lt.tensor].bytes
-            delta[lt.end + 1] -= problem.tensors[lt.tensor].bytes
-    timeline, live = [], 0
-    for k, (o, _rc) in enumerate(steps):
-        live += delta[k]
-        timeline.append(live + problem.ops[o].workspace_bytes)
-    if not timeline:  # an empty program still holds its inputs
-        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
+    lifetimes = _lifetimes(span, offload)
+    timeline = _timeline(problem, steps, lifetimes, span)
     boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps))
     peak = max(timeline + [boundary])
     return SimResult(
@@ -156,13 +95,134 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         n_forward_steps=n_fw,
         lifetimes=sorted(lifetimes, key=lambda lt: (lt.start, lt.tensor)),
         saved=saved,
-        recomputed_ops=sorted(recompute_pos),
+        recomputed_ops=sorted(walk.recompute_pos),
         reused=reused,
-        reads=reads,
+        reads=walk.reads,
         spans={key: (v[0], v[1]) for key, v in span.items()},
-        recompute_s=recompute_s,
+        recompute_s=walk.recompute_s,
         **(_offload_fields(offload) if offload is not None else {}),
     )
+
+
+def _steps(problem: Problem, schedule: Schedule) -> list[tuple[int, bool]]:
+    """(op id, is recomputation) per step: the forward order, then the backward order, in which a
+    forward op is a recomputation."""
+    return [(o, False) for o in schedule.fw_order] + [
+        (o, problem.ops[o].phase is Phase.FW) for o in schedule.bw_order
+    ]
+
+
+@dataclass
+class _Walk:
+    """What stepping through the program gives: every copy's span (before the caller's holds and
+    reuse), what each step reads, where recomputations run, compute time."""
+
+    span: dict[tuple[int, bool], list[int]]  # copy key: (tensor, recomputed?) -> [start, end]
+    reads: list[list[tuple[int, bool]]] = field(default_factory=list)
+    recompute_pos: dict[int, int] = field(default_factory=dict)  # recomputed op -> its step
+    time_s: float = 0.0
+    recompute_s: float = 0.0
+
+
+def _walk(problem: Problem, steps: list[tuple[int, bool]], n_fw: int) -> _Walk:
+    """Per-step liveness bookkeeping: each read extends the copy it reads to that step, each
+    output starts a copy; a tensor made twice (by the same kind of step) is an error."""
+    walk = _Walk(_held_from_start(problem, n_fw, last=max(len(steps) - 1, 0)))
+    for k, (o, is_rc) in enumerate(steps):
+        op = problem.ops[o]
+        walk.reads.append(_read_inputs(problem, walk, k, o, n_fw))
+        if is_rc:
+            walk.recompute_pos[o] = k
+            walk.recompute_s += op.time_s
+        for t in op.outputs:
+            key = (t, is_rc)
+            if key in walk.span:
+                raise ScheduleError(f"{problem.tensors[t].name!r} produced twice")
+            walk.span[key] = [k, k]
+        walk.time_s += op.time_s
+    return walk
+
+
+def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, bool], list[int]]:
+    """Spans of what no step produces: inputs live all program, tangents the whole backward
+    (the autograd engine holds the seed)."""
+    span: dict[tuple[int, bool], list[int]] = {}
+    for t in problem.tensors:
+        if t.kind is TensorKind.INPUT:
+            span[(t.id, False)] = [0, last]
+        elif t.kind is TensorKind.TANGENT:
+            span[(t.id, False)] = [n_fw, last]
+    return span
+
+
+def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int) -> list[tuple[int, bool]]:
+    """Step `k`'s reads, each copy's span extended to `k`. Recompute handling: in the backward, a
+    tensor whose producer was recomputed earlier is read from the recomputed copy."""
+    op = problem.ops[o]
+    reads = []
+    for t in op.inputs:
+        key = (t, k >= n_fw and problem.tensors[t].producer in walk.recompute_pos)
+        reads.append(key)
+        if key not in walk.span or walk.span[key][0] > k:
+            where = "backward" if k >= n_fw else "forward"
+            raise ScheduleError(f"{where} step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before it exists")
+        walk.span[key][1] = max(walk.span[key][1], k)
+    return reads
+
+
+def _hold_caller_values(problem: Problem, span: dict, n_fw: int, last: int) -> None:
+    """The caller's holds: program outputs live to the end, forward results the caller drops
+    after the forward (`Problem.returned`) at least to the forward's end."""
+    for t in problem.outputs:
+        if (t, False) in span:
+            span[(t, False)][1] = last
+    for t in problem.returned:
+        if (t, False) in span:
+            span[(t, False)][1] = max(span[(t, False)][1], n_fw - 1)
+
+
+def _saved_across_boundary(problem: Problem, span: dict, n_fw: int) -> list[int]:
+    """The backward boundary: forward activations (not outputs, not recomputed copies) alive from
+    the forward into the backward, i.e. what autograd saves."""
+    return sorted(
+        t
+        for (t, rc), (s, e) in span.items()
+        if not rc
+        and problem.tensors[t].kind is TensorKind.ACTIVATION
+        and s < n_fw <= e
+        and t not in problem.outputs
+    )
+
+
+def _lifetimes(span: dict, offload) -> list[Lifetime]:
+    """One `Lifetime` per copy; an offloaded tensor's is cut in two: on the device from its
+    producer until dropped, and again from its prefetch."""
+    lifetimes = []
+    for (t, rc), (s, e) in span.items():
+        ev = offload.events.get(t) if offload is not None and not rc else None
+        if ev is None:
+            lifetimes.append(Lifetime(t, s, e, rc))
+        else:
+            lifetimes.append(Lifetime(t, s, ev.release - 1, False))
+            lifetimes.append(Lifetime(t, ev.prefetch, e, False, prefetched=True))
+    return lifetimes
+
+
+def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict) -> list[int]:
+    """Live bytes at each step (lifetimes summed by a difference array) plus the step's
+    workspace; an empty program still holds its inputs."""
+    delta = [0] * (len(steps) + 2)
+    for lt in lifetimes:
+        if lt.end >= lt.start:
+            delta[lt.start] += problem.tensors[lt.tensor].bytes
+            delta[lt.end + 1] -= problem.tensors[lt.tensor].bytes
+    timeline, live = [], 0
+    for k, (o, _rc) in enumerate(steps):
+        live += delta[k]
+        timeline.append(live + problem.ops[o].workspace_bytes)
+    if not timeline:
+        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
+    return timeline
 
 
 def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int) -> int:

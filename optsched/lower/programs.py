@@ -205,65 +205,123 @@ def lower_training(
     `reused` maps a step (forward steps first, then backward) to the input storage its
     output is written into, as the simulator decided. `offloads` (from the simulator)
     are run by the runtime `make_runtime` builds for their slots.
+
+    The backward is built first: what it reads from the forward decides what the forward saves.
     """
     offloads = offloads or {}
-    runtime, slots = None, {}
-    if offloads:
-        if make_runtime is None:
-            raise ValueError("a plan with offloads needs an offload runtime")
-        order = sorted(offloads)
-        slots = {t: i for i, t in enumerate(order)}
-        runtime = make_runtime([_slot_spec(jg, t) for t in order])
+    runtime, slots = _offload_runtime(jg, offloads, make_runtime)
+    bw = _Backward(jg, _recomputed_nodes(problem, built_nodes, schedule), offloads, runtime)
+    bw.build(built_nodes, schedule, reused)
+    fw, host = _forward(jg, built_nodes, schedule, reused, offloads, runtime, slots)
+    _forward_output(jg, fw, bw.saved, host, offloads)
+    return _module(jg, fw.graph), _module(jg, bw.prog.graph), bw.saved
+
+
+def _offload_runtime(
+    jg: JointGraph,
+    offloads: dict[int, OffloadEvent],
+    make_runtime: Callable[[list[SlotSpec]], OffloadRuntime] | None,
+) -> tuple[OffloadRuntime | None, dict[int, int]]:
+    """The runtime for the plan's offloads (None without any), and each offloaded storage's slot
+    in it (storages in id order)."""
+    if not offloads:
+        return None, {}
+    if make_runtime is None:
+        raise ValueError("a plan with offloads needs an offload runtime")
+    order = sorted(offloads)
+    return make_runtime([_slot_spec(jg, t) for t in order]), {t: i for i, t in enumerate(order)}
+
+
+def _recomputed_nodes(problem: Problem, built_nodes: list[fx.Node | Group], schedule: Schedule) -> set[fx.Node]:
+    """The original nodes the backward recomputes (a recomputed fusion group: all its members)."""
     recomputed: set[fx.Node] = set()
     for o in schedule.recomputed(problem):
         item = built_nodes[o]
         recomputed.update(item.nodes if isinstance(item, Group) else [item])
-    saved: list[fx.Node] = []
-    bw_placeholders: list[fx.Node] = []
-    fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
+    return recomputed
 
-    def placeholder_for(node: fx.Node, name: str) -> fx.Node:
-        saved.append(node)
-        new = bw.graph.placeholder(name)
+
+class _Backward:
+    """The backward program, built in the planned backward order. A forward value it reads and
+    does not recompute crosses as a saved tensor (a placeholder, in first-read order) or, when
+    offloaded, comes back from the host: prefetched at its planned step, waited for at its first
+    reader. `saved`: the original nodes behind the placeholders, the forward's extra outputs."""
+
+    def __init__(
+        self,
+        jg: JointGraph,
+        recomputed: set[fx.Node],
+        offloads: dict[int, OffloadEvent],
+        runtime: OffloadRuntime | None,
+    ):
+        self.jg = jg
+        self.recomputed = recomputed
+        self.offloads = offloads
+        self.runtime = runtime
+        self.saved: list[fx.Node] = []
+        self.placeholders: list[fx.Node] = []
+        self.fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
+        self.prog = _Program(jg, self._from_forward)
+
+    def build(self, built_nodes: list[fx.Node | Group], schedule: Schedule, reused: dict[int, int]) -> None:
+        """Tangents, then the backward ops in order with each prefetch at its step, then the
+        gradients; placeholders moved to the top (saved and host copies, then tangents)."""
+        jg = self.jg
+        tangent_ph = [self.prog.placeholder(t) for t in jg.tangents]
+        n_fw = len(schedule.fw_order)
+        fetch_at: dict[int, list[int]] = {}
+        for t, ev in sorted(self.offloads.items()):
+            fetch_at.setdefault(ev.prefetch, []).append(t)
+        for j, o in enumerate(schedule.bw_order):
+            for t in fetch_at.get(n_fw + j, []):
+                self._prefetch(t)
+            self.prog.emit(built_nodes[o], reused.get(n_fw + j))
+        if self.fetching:
+            raise RuntimeError(f"{len(self.fetching)} offloaded tensors are prefetched but never read")
+        self.prog.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
+        _move_placeholders_first(self.prog.graph, self.placeholders + tangent_ph)
+
+    def _prefetch(self, storage: int) -> None:
+        """The offloaded storage's host copy crosses as a saved tensor; its copy back starts here."""
+        node = self.jg.storages[storage].node
+        host_ph = self._saved_placeholder(node, f"{node.name}_host")
+        self.fetching[storage] = self.prog.graph.call_function(self.runtime.prefetch, (host_ph,))
+
+    def _saved_placeholder(self, node: fx.Node, name: str) -> fx.Node:
+        self.saved.append(node)
+        new = self.prog.graph.placeholder(name)
         new.meta = dict(node.meta)
-        bw_placeholders.append(new)
+        self.placeholders.append(new)
         return new
 
-    def save(node: fx.Node) -> fx.Node:
+    def _from_forward(self, node: fx.Node) -> fx.Node:
         """A forward value the backward reads and does not recompute: it crosses as a saved tensor,
         or, if offloaded, comes back from the host here, at its first reader."""
         owner = node.args[0] if node.target is operator.getitem else node
-        if owner in recomputed:
+        if owner in self.recomputed:
             raise RuntimeError(f"{node.name} is read in the backward before its recomputation")
-        storage = jg.storage_of.get(node)
-        if storage in offloads:
-            if storage not in fetching or jg.storages[storage].node is not node:
+        storage = self.jg.storage_of.get(node)
+        if storage in self.offloads:
+            if storage not in self.fetching or self.jg.storages[storage].node is not node:
                 raise RuntimeError(f"{node.name} is read in the backward before its prefetch")
-            new = bw.graph.call_function(runtime.wait, (fetching.pop(storage),))
+            new = self.prog.graph.call_function(self.runtime.wait, (self.fetching.pop(storage),))
         else:
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
-            new = placeholder_for(node, node.name)
-        bw.env[node] = new
+            new = self._saved_placeholder(node, node.name)
+        self.prog.env[node] = new
         return new
 
-    bw = _Program(jg, save)
-    tangent_ph = [bw.placeholder(t) for t in jg.tangents]
-    n_fw = len(schedule.fw_order)
-    fetch_at: dict[int, list[int]] = {}
-    for t, ev in sorted(offloads.items()):
-        fetch_at.setdefault(ev.prefetch, []).append(t)
-    for j, o in enumerate(schedule.bw_order):
-        for t in fetch_at.get(n_fw + j, []):
-            host_ph = placeholder_for(jg.storages[t].node, f"{jg.storages[t].node.name}_host")
-            fetching[t] = bw.graph.call_function(runtime.prefetch, (host_ph,))
-        bw.emit(built_nodes[o], reused.get(n_fw + j))
-    if fetching:
-        raise RuntimeError(f"{len(fetching)} offloaded tensors are prefetched but never read")
-    bw.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
-    _move_placeholders_first(bw.graph, bw_placeholders + tangent_ph)
 
-    fw, host = _forward(jg, built_nodes, schedule, reused, offloads, runtime, slots)
+def _forward_output(
+    jg: JointGraph,
+    fw: _Program,
+    saved: list[fx.Node],
+    host: dict[int, fx.Node],
+    offloads: dict[int, OffloadEvent],
+) -> None:
+    """The forward's output: its own outputs, then what the backward saves, in the backward's
+    placeholder order (an offloaded storage as its host copy), labelled for AOTAutograd."""
     descs = _output_descs(jg)[: jg.num_fwd_outputs]
     if descs and SavedForBackwardsAOTOutput is not None:
         descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
@@ -274,7 +332,6 @@ def lower_training(
         storage = jg.storage_of.get(node)
         crossing.append(host.pop(storage) if storage in offloads and storage in host else node)
     fw.output(list(jg.fw_outputs) + crossing, descs)
-    return _module(jg, fw.graph), _module(jg, bw.graph), saved
 
 
 def _slot_spec(jg: JointGraph, storage: int) -> SlotSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,144 @@ def test_the_plan_cache_folder_is_the_environment_variable_else_the_platform_cac
     if sys.platform.startswith("linux"):
         assert cache_dir() == tmp_path / "xdg" / "optsched" / "plans"
     assert cache_dir().name == "plans" and "optsched" in cache_dir().parts
+
+
+# ----------------------------------------------------------------------------- the whole file typed
+
+# fields written since plan schema version 1 appeared: a version-1 file written before them lacks them
+MAY_BE_MISSING = {
+    "created",
+    "made_for.budget_from", "made_for.budget_resolved_bytes", "made_for.budget_reference", "made_for.outputs",
+    "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage",
+    "timeline.unplanned_steps_per_point", "timeline.unplanned_n_steps", "timeline.unplanned_n_forward_steps",
+}
+NAME_KEYED = {"costs", "decisions.offload"}  # objects keyed by op or tensor names, not by field names
+ROWS = r'fingerprint\.nodes\[0\]|costs\["[^"]*"\](\[2\]\[0\])?'  # lists with a meaning per item: every item checked
+
+
+@pytest.fixture(scope="module")
+def full_plan(tmp_path_factory):
+    """A real plan file with every section filled: offloads and recomputations (an offline H100 plan),
+    a percentage budget (its reference recorded)."""
+    cfg = gpt.GPTConfig(n_layer=2, n_embd=128)
+    plan = optsched.plan_offline(lambda: gpt.build(cfg), lambda: gpt.make_batch(cfg, batch_size=4), "60%",
+                                 device_profile="h100", offload=True, time_limit_s=2)
+    path = plan.save(tmp_path_factory.mktemp("typed") / "full.json")
+    data = json.loads(path.read_text())
+    assert data["decisions"]["offload"] and data["decisions"]["recomputed"] and data["timeline"]["offloads"]
+    assert isinstance(data["made_for"]["budget_reference"], dict)
+    return path, data
+
+
+def _resealed(data: dict, path: Path) -> Path:
+    """`data` written as a writer would (sealed): only the typed check can catch what is wrong in it."""
+    return write_plan_file(seal({k: v for k, v in data.items() if k not in ("schema", "schema_version", "checksum")}),
+                           path)
+
+
+def _nested_fields(value, keys: tuple = (), path: str = ""):
+    """(path, keys, is_named_field) for every field below the top level of a plan file's JSON: each field
+    of an object, the first entry of an object keyed by names, the first item of each list (every item of
+    a row: a fingerprint node, an op's costs)."""
+    if isinstance(value, dict):
+        named = path not in NAME_KEYED
+        for k, v in list(value.items())[: None if named else 1]:
+            p = (f"{path}.{k}" if path else k) if named else f'{path}["{k}"]'
+            if keys:
+                yield p, (*keys, k), named
+            yield from _nested_fields(v, (*keys, k), p)
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value[: None if re.fullmatch(ROWS, path) else 1]):
+            yield f"{path}[{i}]", (*keys, i), False
+            yield from _nested_fields(item, (*keys, i), f"{path}[{i}]")
+
+
+def _wrong(value):
+    """A JSON value of another type than `value`'s (and than null, for a field that may be null)."""
+    if isinstance(value, str):
+        return 7
+    if value is None or isinstance(value, dict):
+        return []
+    return "7"
+
+
+def _with(data: dict, keys: tuple, value=None, delete: bool = False) -> dict:
+    data = json.loads(json.dumps(data))
+    parent = data
+    for k in keys[:-1]:
+        parent = parent[k]
+    if delete:
+        del parent[keys[-1]]
+    else:
+        parent[keys[-1]] = value
+    return data
+
+
+def test_a_plan_file_round_trips_unchanged_through_the_typed_check(full_plan, tmp_path):
+    path, data = full_plan
+    assert optsched.load_plan(path).data == data
+    assert optsched.load_plan(_resealed(data, tmp_path / "again.json")).data == data
+
+
+def test_every_nested_field_mistyped_is_a_plan_file_error_naming_its_path(full_plan, tmp_path):
+    path, data = full_plan
+    fields = list(_nested_fields(data))
+    assert len(fields) > 100 and {"decisions.fw_order[0]", 'costs["arange"][0]', "timeline.offloads[0].prefetch",
+                                  "made_for.profile.memory_bytes", "fingerprint.nodes[0][3]",
+                                  'decisions.offload["' + next(iter(data["decisions"]["offload"])) + '"]',
+                                  "made_for.budget_reference.bytes", "solver.notes[0]"} <= {p for p, _k, _n in fields}
+    unnoticed = []
+    for field_path, keys, _named in fields:
+        bad = _with(data, keys, _wrong(_value_at(data, keys)))
+        try:
+            optsched.load_plan(_resealed(bad, tmp_path / "bad.json"))
+        except optsched.PlanFileError as e:
+            assert re.search(re.escape(f"bad.json: {field_path}: expected ") + r"\S.* got ", str(e)), str(e)
+        else:
+            unnoticed.append(field_path)
+    assert not unnoticed
+
+
+def test_every_missing_nested_field_is_a_plan_file_error_naming_its_path(full_plan, tmp_path):
+    path, data = full_plan
+    missing_ok = []
+    for field_path, keys, named in _nested_fields(data):
+        if not named:
+            continue
+        try:
+            optsched.load_plan(_resealed(_with(data, keys, delete=True), tmp_path / "bad.json"))
+        except optsched.PlanFileError as e:
+            assert field_path not in MAY_BE_MISSING, f"{field_path}: {e}"
+            assert str(e).endswith(f"bad.json: {field_path}: missing"), str(e)
+        else:
+            missing_ok.append(field_path)
+    assert set(missing_ok) == MAY_BE_MISSING - {"created"}  # "created" is a top-level field
+    no_date = {k: v for k, v in data.items() if k != "created"}
+    assert optsched.load_plan(_resealed(no_date, tmp_path / "old.json")).data == seal(
+        {k: v for k, v in no_date.items() if k not in ("schema", "schema_version", "checksum")})
+
+
+def _value_at(data: dict, keys: tuple):
+    for k in keys:
+        data = data[k]
+    return data
+
+
+@pytest.mark.parametrize("keys, value, message", [
+    (("decisions", "fw_order", 3), "3", "decisions.fw_order[3]: expected int, got str"),
+    (("decisions", "offload"), [], "decisions.offload: expected an object, got a list"),
+    (("decisions", "fusion_groups"), [["embedding", 1]], "decisions.fusion_groups[0][1]: expected str, got int"),
+    (("made_for", "offload"), 1, "made_for.offload: expected bool, got int"),
+    (("summary", "predicted_peak_bytes"), True, "summary.predicted_peak_bytes: expected int, got bool"),
+    (("summary", "n_ops"), 4.0, "summary.n_ops: expected int, got float"),
+    (("solver", "gap"), None, "solver.gap: expected float, got null"),
+    (("costs", "arange"), [1e-6, 0], 'costs["arange"]: expected a list of 3 items, got 2'),
+    (("costs", "arange", 2), [["a"]], 'costs["arange"][2][0]: expected a list of 2 items, got 1'),
+    (("fingerprint", "nodes", 0), ["primals_1", "primals_1", "4x128"], "fingerprint.nodes[0]: expected a list of 4"),
+    (("timeline", "offloads", 0), "addmm", "timeline.offloads[0]: expected an object, got str"),
+    (("created",), 20260101, "created: expected str, got int"),
+])
+def test_a_mistyped_field_names_its_path_and_types(full_plan, tmp_path, keys, value, message):
+    _path, data = full_plan
+    with pytest.raises(optsched.PlanFileError, match=re.escape(message)):
+        optsched.load_plan(_resealed(_with(data, keys, value), tmp_path / "bad.json"))

@@ -6,6 +6,7 @@ profile, executor, per-op costs), what it predicts (summary, timeline) and how t
 solver did. A checksum over the content turns corruption and hand edits into a clear
 error instead of a wrong program. Writes are atomic (a temporary file, then a rename).
 
+The contents are typed in `plans.schema`; `validate` checks every nested field against it.
 Where plan files go (the plan cache, writability probes, saves that warn) is `plans.cache`.
 """
 
@@ -18,6 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .schema import PlanData, SchemaError
 
 SCHEMA = "optsched.plan"
 SCHEMA_VERSION = 1
@@ -141,6 +144,10 @@ def load_plan(path: str | os.PathLike) -> PlanFile:
 
 
 def validate(data: Any, where: str = "plan") -> dict:
+    """`data` if it is a sealed plan file of this schema, whole (every nested field present and typed,
+    see `plans.schema`); else PlanFileError saying what is wrong: not a plan, another schema version,
+    a top-level field missing, edited after sealing (checksum), or the path of a nested field missing
+    or of the wrong type (`decisions.fw_order[3]: expected int, got str`)."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise PlanFileError(f"{where} is not an optsched plan file (no 'schema': {SCHEMA!r})")
     version = data.get("schema_version")
@@ -156,10 +163,10 @@ def validate(data: Any, where: str = "plan") -> dict:
             f"{where} was modified after it was written (checksum mismatch): a hand-edited or corrupted plan "
             "is never run; plan again"
         )
-    decisions = data["decisions"]
-    for key in ("fw_order", "bw_order", "offload", "fusion_groups", "ops"):
-        if key not in decisions:
-            raise PlanFileError(f"{where}: decisions lack {key!r}")
+    try:
+        PlanData.parse(data)
+    except SchemaError as e:
+        raise PlanFileError(f"{where}: {e}") from None
     return data
 
 

@@ -320,6 +320,34 @@ def test_forward_only_when_nothing_requires_grad():
     assert plan.kind == "inference" and plan.fingerprint
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["training", "forward-only"])
+def test_aotautograd_finishes_through_the_offline_hooks_and_nothing_is_lowered(monkeypatch, frozen):
+    """OfflineBackend has PlanningBackend's compile hooks (capture.backend.CompileHooks): AOTAutograd
+    returns normally through them (no exception stops it), nothing is lowered, and what it compiled
+    refuses to run."""
+    import optsched.capture.backend as backend
+    import optsched.capture.offline as offline
+
+    hooks = ("partition", "compile_forward", "compile_backward", "compile_inference")
+    for cls in (backend.PlanningBackend, offline.OfflineBackend):
+        assert all(callable(getattr(cls, name)) for name in hooks)
+    compiled, backends, lowered = [], [], []
+    aot, capture = offline.aot_module_simplified, offline.capture_offline
+    monkeypatch.setattr(offline, "aot_module_simplified", lambda *a, **k: compiled.append(aot(*a, **k)))
+    monkeypatch.setattr(offline, "capture_offline", lambda m, i, b: (backends.append(b), capture(m, i, b)))
+    for name in ("lower_training", "lower_inference"):
+        monkeypatch.setattr(backend, name, lambda *a, **k: lowered.append(a))
+    plan = offline.plan_offline(lambda: llama.LLaMA(ONE_LAYER).requires_grad_(not frozen),
+                                lambda: llama.make_batch(ONE_LAYER, 2, 32), None, time_limit_s=1)
+    assert plan.kind == ("inference" if frozen else "training")
+    assert len(compiled) == 1 and callable(compiled[0]) and not lowered
+    (b,) = backends
+    assert set(backend.aot_hooks(b)) >= {"fw_compiler", "bw_compiler", "inference_compiler", "partition_fn"}
+    for name in ("compile_forward", "compile_backward"):  # what AOTAutograd compiled after the partition
+        with pytest.raises(RuntimeError, match="never lowered"):
+            getattr(b, name)(None, [])([])
+
+
 @pytest.mark.parametrize("executor", ["inductor", "nvfuser"])
 def test_fusion_groups_are_planned_not_compiled(executor):
     """Groups come from the executor's fusion rules (nvFuser's too, with no nvFuser and no GPU here);

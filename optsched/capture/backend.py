@@ -8,6 +8,7 @@ forward and backward wrappers observe what the caller does with the outputs (`ou
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -38,6 +39,41 @@ def _view_outputs(jg) -> list[bool]:
     tensor we never see). `_unsafe_view` results (a linear layer's 3-d output) go out as they are."""
     return [isinstance(o, fx.Node) and jg.is_view(o) and o.target is not torch.ops.aten._unsafe_view.default
             for o in jg.fw_outputs]
+
+
+class CompileHooks(Protocol):
+    """What AOTAutograd calls while it compiles a captured program, as methods of one object.
+
+    Training: `partition(joint, joint_inputs, num_fwd_outputs=...)` gets the joint forward+backward
+    graph and returns the forward and backward graphs; AOTAutograd then hands those to
+    `compile_forward` and `compile_backward`, which return what runs (a backward may be compiled at
+    its first call). Forward only (under `torch.no_grad()`): `compile_inference` gets the forward graph
+    and returns what runs. `aot_hooks` passes them to `aot_autograd` / `aot_module_simplified`.
+
+    `PlanningBackend` plans in `partition` and `compile_inference` and returns the planned programs;
+    `capture.offline.OfflineBackend` plans there too and returns programs that only refuse to run."""
+
+    def partition(
+        self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs
+    ) -> tuple[fx.GraphModule, fx.GraphModule]: ...
+
+    def compile_forward(self, gm: fx.GraphModule, example_inputs) -> Callable: ...
+
+    def compile_backward(self, gm: fx.GraphModule, example_inputs) -> Callable: ...
+
+    def compile_inference(self, gm: fx.GraphModule, example_inputs) -> Callable: ...
+
+
+def aot_hooks(hooks: CompileHooks) -> dict:
+    """`hooks` as AOTAutograd's keyword arguments (input mutations of forward-only programs kept in
+    the graph, as `passes/prepare.prepare_inference` expects)."""
+    return dict(
+        fw_compiler=hooks.compile_forward,
+        bw_compiler=hooks.compile_backward,
+        inference_compiler=hooks.compile_inference,
+        partition_fn=hooks.partition,
+        keep_inference_input_mutations=True,
+    )
 
 
 class PlanningBackend:
@@ -74,23 +110,16 @@ class PlanningBackend:
             self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
             observed_usage=self.usage,
         )
-        return aot_autograd(
-            fw_compiler=self._compile_forward,
-            bw_compiler=self._compile_backward,
-            inference_compiler=self._inference,
-            partition_fn=self._partition,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+        return aot_autograd(**aot_hooks(self))(gm, example_inputs)
 
     @property
     def target(self) -> Target:
         return self.planner.target
 
-    @staticmethod
-    def _compile(gm: fx.GraphModule, example_inputs):
-        return boxed(gm)
+    # ---- the compile hooks (CompileHooks)
 
-    def _compile_forward(self, gm: fx.GraphModule, example_inputs):
+    def compile_forward(self, gm: fx.GraphModule, example_inputs):
+        """The planned forward, telling the usage observer what the caller was handed."""
         run, observer = boxed(gm), self.observer
         if observer is None:
             return run
@@ -104,7 +133,7 @@ class PlanningBackend:
         forward._boxed_call = True  # type: ignore[attr-defined]
         return forward
 
-    def _compile_backward(self, gm: fx.GraphModule, example_inputs):
+    def compile_backward(self, gm: fx.GraphModule, example_inputs):
         """The backward, taking None for an output no gradient flowed into (see output_usage)."""
         run, observer = boxed(gm), self.observer
         positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
@@ -120,7 +149,8 @@ class PlanningBackend:
         backward._boxed_call = True  # type: ignore[attr-defined]
         return backward
 
-    def _partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+    def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
+        """Plan the training step and lower it: the planned forward and backward."""
         drop_identity_clones(joint)  # dropout(p=0) and the like: eager returns the input, the trace copies it
         jg = build_joint_graph(joint, num_fwd_outputs)
         usage, tangent_of = self._training_usage(joint, jg)
@@ -149,7 +179,8 @@ class PlanningBackend:
             except OffloadDeviceError as e:
                 raise OffloadDeviceError(f"device profile {target.profile.name!r}: {e}") from None
 
-    def _inference(self, gm: fx.GraphModule, example_inputs):
+    def compile_inference(self, gm: fx.GraphModule, example_inputs):
+        """Plan a forward-only program (its passes first) and lower it."""
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)
         jg = build_joint_graph(gm, None)
         plan, items = self.planner.plan(gm, jg, "forward")

@@ -17,6 +17,7 @@ ignored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -242,7 +243,7 @@ def _parse(value: Any, tp: Any, path: str) -> Any:
 
 def _parse_object(value: Any, cls: type, path: str) -> Any:
     _expect(isinstance(value, dict), value, cls, path)
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         where = f"{path}.{f.name}" if path else f.name
@@ -252,6 +253,11 @@ def _parse_object(value: Any, cls: type, path: str) -> Any:
             continue
         kwargs[f.name] = _parse(value[f.name], hints[f.name], where)
     return cls(**kwargs)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _expect(ok: bool, value: Any, tp: Any, path: str) -> None:

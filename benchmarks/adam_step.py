@@ -84,7 +84,7 @@ def _compare(a, b) -> dict:
 @contextlib.contextmanager
 def _watch_inference(seen: dict):
     """Record the graph our inference compiler receives and the one it lowers to."""
-    original = PlanningBackend._inference
+    original = PlanningBackend.compile_inference
 
     def spy(self, gm, example_inputs):
         seen["copies_captured"] = sum(n.target is COPY_ for n in gm.graph.nodes)
@@ -97,11 +97,11 @@ def _watch_inference(seen: dict):
         )
         return run
 
-    PlanningBackend._inference = spy
+    PlanningBackend.compile_inference = spy
     try:
         yield
     finally:
-        PlanningBackend._inference = original
+        PlanningBackend.compile_inference = original
 
 
 def _first_call(fn) -> float:

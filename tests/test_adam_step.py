@@ -510,7 +510,7 @@ def test_adam_step(foreach, executor, monkeypatch):
     fused kernel writing parameter and state in place: close to the traced program, not bitwise
     (Inductor's kernels round differently), and below eager's peak."""
     seen = {}
-    inference = PlanningBackend._inference
+    inference = PlanningBackend.compile_inference
 
     def spy(self, gm, example_inputs):
         seen["captured"] = copy.deepcopy(gm)
@@ -518,7 +518,7 @@ def test_adam_step(foreach, executor, monkeypatch):
         seen["lowered"] = run.graph_module
         return run
 
-    monkeypatch.setattr(PlanningBackend, "_inference", spy)
+    monkeypatch.setattr(PlanningBackend, "compile_inference", spy)
     model, opt = _model(foreach)
     ref_model, ref_opt = _model(foreach)
     eager_model, eager_opt = _model(foreach)

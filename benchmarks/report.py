@@ -280,6 +280,212 @@ def zoo_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- tight budgets (benchmarks/tight_budgets.py)
+
+def _labels(runs: dict) -> list[str]:
+    """'before' first, 'after' second, the others by date."""
+    order = {"before": 0, "after": 1}
+    return sorted(runs, key=lambda k: (order.get(k, 2), runs[k].get("date", ""), k))
+
+
+def _tight_peak(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "error" in r:
+        return f"fails: {r['error']['type']} ({r['error']['stage']})"
+    if r.get("infeasible"):
+        return f"infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f})"
+    text = f"{r['predicted_peak_bytes'] / MIB:.2f}"
+    if "measured_peak_bytes" in r:
+        meas = r["measured_peak_bytes"]
+        text += " = meas" if meas == r["predicted_peak_bytes"] else f" / meas {meas / MIB:.2f}"
+        if not r["within_budget"]:
+            text += " OVER"
+    if r.get("infeasible_on_replan"):
+        text += f"; replan infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f})"
+    return text
+
+
+def _tight_grads(r: dict | None) -> str:
+    if r is None or "measured_peak_bytes" not in r:
+        return ""
+    d = r["max_grad_diff"]
+    return "missing" if d is None else ("equal" if d == 0 else f"{d:.1e}")
+
+
+def _tight_time(r: dict | None) -> str:
+    return f"{r['time_ratio']:.2f}x" if r and "time_ratio" in r else ""
+
+
+def _tight_status(r: dict | None) -> str:
+    if r is None or "solver_status" not in r:
+        return ""
+    return f"{r['solver_status']} {r['gap']:.1%}"
+
+
+def _tight_plan_s(r: dict | None) -> str:
+    if r is None:
+        return ""
+    s = r.get("plan_s", r.get("first_call_s"))
+    return "" if s is None else f"{s:.1f}"
+
+
+def _lowest_cell(low: dict | None) -> str:
+    if low is None:
+        return "-"
+    if low.get("none_found"):
+        return f"none in {len(low['probes'])} probes"
+    ratio = f", {low['peak_vs_bound']:.2f}x bound" if low.get("peak_vs_bound") else ""
+    run = low.get("run") or {}
+    meas = run.get("measured_peak_bytes")
+    # the plan run may differ from the one the search found: planned again for the caller's use of the outputs
+    ran = f" (ran: meas {meas / MIB:.2f})" if meas is not None and abs(meas - low["lowest_peak_bytes"]) > 0.005 * MIB else ""
+    return f"{low['lowest_peak_bytes'] / MIB:.2f}{ran}{ratio}"
+
+
+def tight_gpt_table(runs: dict, labels: list[str]) -> str:
+    gpts = {k: runs[k]["gpt"] for k in labels if "gpt" in runs[k]}
+    if not gpts:
+        return ""
+    labels = list(gpts)
+    any_gpt = next(iter(gpts.values()))
+    c = any_gpt["config"]
+    eager = ", ".join(f"{k} {g['eager']['measured_peak_bytes'] / MIB:.2f} MiB" for k, g in gpts.items())
+    lines = [f"GPT (benchmarks/models/gpt.py) {c['layers']} layers, width {c['width']}, batch {c['batch']}, sequence "
+             f"{c['seq']}; parameters {any_gpt['eager']['param_bytes'] / MIB:.2f} MiB; eager peak: {eager}. Peaks in MiB "
+             "(predicted = measured at the allocator, or both); bound = the proven lower bound reported; time = step time "
+             "vs eager, timed alternately in one process; lowest feasible = the lowest peak of a plan found "
+             "(benchmarks/tight_budgets.py's search), then run.", ""]
+    head, rule = "| offload | budget |", "|---|---|"
+    for k in labels:
+        head += f" {k}: peak | bound | time | grads | plan s | status, gap |"
+        rule += "---|---|---|---|---|---|"
+    lines += [head, rule]
+    for offload in (False, True):
+        keys = sorted({r["fraction"] for g in gpts.values() for r in g["rows"] if r["offload"] == offload}, reverse=True)
+        for frac in keys:
+            row = f"| {'yes' if offload else 'no'} | {frac:.0%} |"
+            for k in labels:
+                r = next((r for r in gpts[k]["rows"] if r["offload"] == offload and r["fraction"] == frac), None)
+                bound = f"{r['lower_bound_bytes'] / MIB:.2f}" if r and r.get("lower_bound_bytes") else ""
+                row += (f" {_tight_peak(r)} | {bound} | {_tight_time(r)} | {_tight_grads(r)} | {_tight_plan_s(r)} | "
+                        f"{_tight_status(r)} |")
+            lines.append(row)
+        row = f"| {'yes' if offload else 'no'} | lowest feasible |"
+        for k in labels:
+            low = next((x for x in gpts[k].get("lowest", []) if x["offload"] == offload), None)
+            r = (low or {}).get("run")
+            bound = f"{low['bound_bytes'] / MIB:.2f}" if low and low.get("bound_bytes") else ""
+            search = f"{low['search_s']:.0f} ({len(low['probes'])} probes)" if low else ""
+            row += (f" {_lowest_cell(low)} | {bound} | {_tight_time(r)} | {_tight_grads(r)} | {search} | "
+                    f"{_tight_status(r)} |")
+        lines.append(row)
+    methods = []
+    for k in labels:
+        for r in gpts[k]["rows"]:
+            if r.get("method"):
+                methods.append(f"- {k}, offload {'yes' if r['offload'] else 'no'}, {r['fraction']:.0%}: {r['method']}")
+        for low in gpts[k].get("lowest", []):
+            if (low.get("run") or {}).get("method"):
+                methods.append(f"- {k}, offload {'yes' if low['offload'] else 'no'}, lowest feasible "
+                               f"({low['budget_bytes'] / MIB:.2f} MiB budget): {low['run']['method']}")
+    if methods:
+        lines += ["", "Solver methods:", "", *methods]
+    return "\n".join(lines)
+
+
+def tight_zoo_table(runs: dict, labels: list[str]) -> str:
+    zoos = {k: runs[k]["zoo"] for k in labels if "zoo" in runs[k]}
+    if not zoos:
+        return ""
+    labels = list(zoos)
+    c = next(iter(zoos.values()))["config"]
+    fracs = sorted({f for z in zoos.values() for f in z["config"]["budgets"]}, reverse=True)
+    lines = [f"Zoo cases (benchmarks/zoo.py, {c['size']} size: {c['layers']} layers, width {c['width']}, batch {c['batch']}, "
+             f"sequence {c['seq']}). Each cell: measured peak in MiB (or infeasible, with the lowest peak found), time vs "
+             "eager, plan s. Lowest feasible: the lowest peak of a plan found and its ratio to the bound, time vs eager "
+             "of that plan, seconds the search took. " + "; ".join(f"{k}: {z['config']['total_s'] / 60:.0f} min"
+                                                                  for k, z in zoos.items()) + ".", ""]
+    head, rule = "| model | call | eager |", "|---|---|---|"
+    for k in labels:
+        head += "".join(f" {k}: {f:.0%} |" for f in fracs) + f" {k}: lowest feasible | bound |"
+        rule += "---|" * (len(fracs) + 2)
+    lines += [head, rule]
+    names = list(dict.fromkeys(case["case"] for z in zoos.values() for case in z["cases"]))
+    for name in names:
+        cases = {k: next((x for x in z["cases"] if x["case"] == name), None) for k, z in zoos.items()}
+        some = next(x for x in cases.values() if x is not None)
+        eager = next((f"{x['eager']['measured_peak_bytes'] / MIB:.2f}" for x in cases.values() if x and "eager" in x), "-")
+        row = f"| {some['model']} | {some['pattern']} | {eager} |"
+        for k in labels:
+            case = cases[k]
+            if case is None or "error" in case:
+                row += (" fails |" if case else " - |") * (len(fracs) + 2)
+                continue
+            for f in fracs:
+                r = next((r for r in case["rows"] if r["fraction"] == f), None)
+                extra = ", ".join(x for x in (_tight_time(r), f"{_tight_plan_s(r)} s" if r else "") if x)
+                cell = _tight_peak(r)
+                if r and "measured_peak_bytes" in r:
+                    cell = f"{r['measured_peak_bytes'] / MIB:.2f}" + (" OVER" if not r["within_budget"] else "")
+                row += f" {cell}{', ' + extra if extra else ''} |"
+            low = case.get("lowest")
+            r = (low or {}).get("run")
+            extra = ", ".join(x for x in (_tight_time(r), f"{low['search_s']:.0f} s" if low else "") if x)
+            row += f" {_lowest_cell(low)}{', ' + extra if extra else ''} |"
+            row += f" {low['bound_bytes'] / MIB:.2f} |" if low and low.get("bound_bytes") else " |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def tight_tables(d: dict) -> str:
+    runs = d.get("runs", {})
+    labels = _labels(runs)
+    commits = "; ".join(f"{k}: {runs[k].get('git', {}).get('short', '?')}"
+                        + (" + uncommitted core changes" if runs[k].get("git", {}).get("core_changes_uncommitted") else "")
+                        + f", {runs[k].get('date', '')[:10]}" for k in labels)
+    parts = [f"Runs: {commits}.", tight_gpt_table(runs, labels), tight_zoo_table(runs, labels)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def scaling_llama_table(d: dict) -> str:
+    runs = d.get("runs", {})
+    gib = 2**30
+    out = []
+    for k in _labels(runs):
+        run = runs[k]
+        c = run["config"]
+        lines = [f"{k} ({run.get('git', {}).get('short', '?')}, {run.get('date', '')[:10]}): {c['describe']}; each plan "
+                 f"in its own process, wall-clock limit {c['timeout_s']:.0f} s.", "",
+                 "| layers | budget | ops | plan s | s / layer | status | gap | predicted / unplanned | unplanned peak "
+                 "| lower bound | est. time vs unplanned |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in run["rows"]:
+            head = f"| {r['layers']} | {r['fraction']:.0%} |"
+            if r.get("timed_out"):
+                lines.append(f"{head} | over {r['timeout_s']:.0f} (stopped) | | timed out | | | | | |")
+            elif r.get("skipped"):
+                lines.append(f"{head} | not run ({r['skipped']}) | | | | | | | |")
+            elif "error" in r:
+                lines.append(f"{head} | | | fails: {r['error'][:80]} | | | | | |")
+            elif r.get("infeasible"):
+                lines.append(f"{head} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | infeasible | | lowest "
+                             f"{r['lowest_peak_bytes'] / r['unplanned_peak_bytes']:.1%} | {r['unplanned_peak_bytes'] / gib:.2f} GiB "
+                             f"| {r['lower_bound_bytes'] / gib:.2f} GiB | |")
+            else:
+                lines.append(f"{head} {r['n_ops']} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | {r['solver_status']} | "
+                             f"{r['gap']:.2%} | {r['predicted_peak_bytes'] / r['unplanned_peak_bytes']:.1%} | "
+                             f"{r['unplanned_peak_bytes'] / gib:.2f} GiB | {r['lower_bound_bytes'] / gib:.2f} GiB | "
+                             f"{r['time_ratio']:.3f}x |")
+        for budget, lin in run.get("linearity", {}).items():
+            lines += ["", f"{budget}: plan s = {lin['intercept_s']:.1f} + {lin['slope_s_per_layer']:.2f} x layers "
+                          f"(least squares over {', '.join(map(str, lin['layers']))} layers); seconds per layer grow "
+                          f"{lin['s_per_layer_growth']:.2f}x from {lin['layers'][0]} to {lin['layers'][-1]} layers: "
+                          + ("roughly linear." if lin["roughly_linear"] else "not linear.")]
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
@@ -291,6 +497,8 @@ TABLES = {
     "adam": ("adam_step.json", adam_table),
     "offline": ("plan_offline.json", offline_table),
     "zoo": ("zoo.json", zoo_table),
+    "tight": ("tight_budgets.json", tight_tables),
+    "scaling_llama": ("scaling_llama.json", scaling_llama_table),
 }
 
 

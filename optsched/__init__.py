@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .capture.output_usage import OutputUsageWarning
     from .plans.plan import SUMMARY_KEYS, Plan
     from .plans.file_format import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
-    from .solvers import BudgetInfeasibleError
+    from .solvers import BudgetInfeasibleError, PlanningTimeLimitError
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ _LAZY = {
     "load_plan": "plans.file_format",
     "OutputUsageWarning": "capture.output_usage",
     "BudgetInfeasibleError": "solvers",
+    "PlanningTimeLimitError": "solvers",
 }
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanFileWarning",
     "PlanCacheWarning",
+    "PlanningTimeLimitError",
     "OutputUsageWarning",
     "load_plan",
     "optimize",

@@ -315,6 +315,7 @@ def optimize(
     executor: str | None = None,
     plan: str | os.PathLike | None = None,
     on_mismatch: str = "error",
+    deterministic: bool | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -353,6 +354,10 @@ def optimize(
     ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of these.
     on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
     (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
+    deterministic: the same plan on every run, machine and rank: CP-SAT with fixed seeds and
+    worker count, and every time limit counted as work rather than wall seconds (so on a slow
+    or busy machine planning takes longer than time_limit_s). None (default): on when `plan`
+    is given (plan files), off otherwise.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):
@@ -365,7 +370,11 @@ def optimize(
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
 
-    settings = PlanningSettings(budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch)
+    if deterministic not in (None, True, False):
+        raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
+    settings = PlanningSettings(
+        budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic
+    )
     if isinstance(fn_or_module, torch.nn.Module):
         target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
         _install(target, settings, BudgetResolution(budget))

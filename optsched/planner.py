@@ -250,7 +250,8 @@ class Planner:
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
-                problem, items, budget_bytes, lambda b: solve(problem, b, time_limit_s=limit, progress=progress)
+                problem, items, budget_bytes, lambda b: solve(problem, b, time_limit_s=limit, progress=progress,
+                                  deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
             if from_reference:

@@ -26,6 +26,12 @@ class PlanningSettings:
     executor: str | None = None
     plan: str | os.PathLike | None = None
     on_mismatch: str = "error"
+    deterministic: bool | None = None
+
+    @property
+    def deterministic_planning(self) -> bool:
+        """Deterministic solving (solvers/model/clock.py): as asked, else whenever the plan goes to a file."""
+        return self.deterministic if self.deterministic is not None else self.plan is not None
 
     @property
     def plan_spec(self) -> str | None:

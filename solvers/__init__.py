@@ -2,12 +2,13 @@
 
 from .model.problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
 from .model.simulator import ScheduleError, SimResult, simulate
-from .search.strategy import BudgetInfeasibleError, Solution, solve
+from .search.strategy import BudgetInfeasibleError, PlanningTimeLimitError, Solution, solve
 
 __all__ = [
     "BudgetInfeasibleError",
     "Op",
     "Phase",
+    "PlanningTimeLimitError",
     "Problem",
     "Schedule",
     "ScheduleError",

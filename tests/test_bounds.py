@@ -57,7 +57,7 @@ TIME_LIMIT_S = 0.5
 # lower_bound_peak subtracts only the largest reused input for a `reuse_all` op, which frees all of them
 # (test_lower_bound_with_reuse_all_regression). Until that is fixed the fuzzers leave `reuse_all` out, or
 # every claim resting on the peak bound would fail on it.
-KNOWN_REUSE_ALL_BUG = True
+KNOWN_REUSE_ALL_BUG = False
 
 CHEAP = settings(
     max_examples=200,
@@ -163,11 +163,6 @@ def _reuse_all_problem() -> Problem:
     return Problem(ops, tensors, outputs=frozenset({5, 7}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: lower_bound_peak subtracts only the largest reused input of a reuse_all op (31 bytes claimed, "
-    "the program order peaks at 22): every pair's input is freed together",
-)
 def test_lower_bound_with_reuse_all_regression():
     p = _reuse_all_problem()
     bw = [o.id for o in p.bw_ops]
@@ -176,10 +171,6 @@ def test_lower_bound_with_reuse_all_regression():
     assert lower_bound_peak(p) <= true_min
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: solve() reports Solution.lower_bound_bytes 31 above the peak of its own plan (22) on a reuse_all op",
-)
 def test_solution_lower_bound_is_below_its_own_peak_with_reuse_all_regression():
     p = _reuse_all_problem()
     sol = solve(p, 22, time_limit_s=TIME_LIMIT_S, workers=2)
@@ -359,12 +350,6 @@ def _backward_reuse_problem(c_bytes: int) -> Problem:
     return Problem(ops, tensors, outputs=frozenset({3, 6}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: the relaxation (cpsat/bound.py) counts a saved forward activation through its last backward "
-    "reader even when that reader writes its output into it; budget 18: nothing recomputed fits (peak 18), "
-    "the relaxation claims at least 1 us of recomputation (fc), so its 'valid lower bound' is 1 us too high",
-)
 def test_relaxation_bound_with_backward_reuse_regression():
     from optsched.solvers.cpsat.bound import solve_bound_and_repair
 
@@ -393,11 +378,6 @@ def _single_backward_reuse_problem() -> Problem:
     return Problem(ops, tensors, outputs=frozenset({2, 5}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: same over-count in the relaxation (bound.py): at budget 14 it reports INFEASIBLE "
-    "(a at bl counted with ga), although the program recomputing nothing peaks at 14",
-)
 def test_relaxation_rejects_a_plan_that_fits_regression():
     from optsched.solvers.cpsat.bound import solve_bound_and_repair
 

@@ -28,6 +28,7 @@ from ortools.sat.python import cp_model
 from .common import NS, cost_ns, make_solver, memory_unit, run_solver
 from ..model.liveness import OrderedProblem
 from ..model.problem import Problem
+from ..model import clock
 
 
 @dataclass
@@ -56,13 +57,29 @@ class _BoundModel:
         self.offloadable: list[int] = []
         for act in self.o.activations:
             units = problem.tensors[act.tensor].bytes // self.unit  # rounded down: stays a relaxation
-            self.spans.append((units, act.tensor, "s", act.fw_last + 1, max([self.o.F] + act.direct)))
+            # its last backward reader may write its output into this storage: then the output's bytes (in
+            # the fixed profile) are these bytes at that step, counted once
+            last = max(act.direct, default=self.o.F)
+            if act.direct and self._reused_by(act.tensor, last):
+                last -= 1
+            self._span(units, act.tensor, "s", act.fw_last + 1, max(self.o.F - 1, last) if act.direct else self.o.F)
             if act.direct and act.producer in self.o.candidates:
-                self.spans.append((units, act.producer, "r", min(act.direct), max(act.direct)))
+                self._span(units, act.producer, "r", min(act.direct), last)
             if offload and problem.host_bw > 0 and problem.tensors[act.tensor].offloadable:
                 self.offloadable.append(act.tensor)
                 if act.direct:
-                    self.spans.append((units, act.tensor, "f", min(act.direct), max(act.direct)))
+                    self._span(units, act.tensor, "f", min(act.direct), last)
+
+    def _span(self, units: int, key: int, kind: str, first: int, last: int) -> None:
+        if last >= first:
+            self.spans.append((units, key, kind, first, last))
+
+    def _reused_by(self, tensor: int, k: int) -> bool:
+        """Whether the backward op at step `k` may write an output into `tensor`'s storage."""
+        return any(
+            self.o.pos[r] == k and any(inp == tensor for _out, inp in self.p.ops[r].reuse)
+            for r in self.o.bw_readers[tensor]
+        )
 
     def fixed_units(self, k: int) -> int:
         return self.o.static[k] // self.unit
@@ -178,13 +195,13 @@ def solve_bound_and_repair(
     `offload`: bound over plans that may also offload (then only the bound is meaningful).
     """
     t0 = time.perf_counter()
-    deadline = t0 + time_limit_s
+    deadline = clock.now() + time_limit_s
     model = _BoundModel(problem, fw_order, bw_order, offload)
     margin = [0] * model.o.T
     bound_s, status0, chosen, fits = 0.0, "UNKNOWN", set(hint or ()), False
     rounds = 0
     for rounds in range(1, max_rounds + 1):
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         if left <= 0.05:
             break
         m, r = model.build(budget_bytes, margin, chosen if chosen else hint)

@@ -8,10 +8,12 @@ import threading
 
 from ortools.sat.python import cp_model
 
+from ..model import clock
 from ..model.problem import Problem
 
 NS = 1e-9  # time unit: op costs are whole nanoseconds (at least 1)
-RESOLUTION = 1 << 20  # memory units across all of a step's storages
+RESOLUTION = 1 << 20
+DETERMINISTIC_WALL_FACTOR = 20.0  # memory units across all of a step's storages
 
 
 def memory_unit(problem: Problem, resolution: int = RESOLUTION) -> int:
@@ -31,9 +33,20 @@ def cost_ns(time_s: float) -> int:
 
 
 def make_solver(time_limit_s: float, workers: int, linearization_level: int | None = None) -> cp_model.CpSolver:
+    """In deterministic mode (solvers/model/clock.py) the same answer on every run and machine: the limit
+    is CP-SAT's deterministic time, DETERMINISTIC_WORKERS workers interleaved in fixed batches
+    rather than raced, the seed fixed; a wall-clock cap of DETERMINISTIC_WALL_FACTOR times the
+    limit stays as a safety net."""
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
     solver.parameters.num_workers = workers
+    solver.parameters.random_seed = 0
+    if clock.is_deterministic():
+        solver.parameters.num_workers = clock.DETERMINISTIC_WORKERS
+        solver.parameters.max_deterministic_time = max(0.05, time_limit_s)
+        solver.parameters.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * max(0.05, time_limit_s)
+        solver.parameters.interleave_search = True
+    else:
+        solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
     if linearization_level is not None:
         solver.parameters.linearization_level = linearization_level
     return solver
@@ -58,7 +71,9 @@ def run_solver(
     """
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():
-        return solver.Solve(model, callback)
+        status = solver.Solve(model, callback)
+        clock.charge(solver.deterministic_time)
+        return status
     outcome: dict[str, object] = {}
     done, cancelled = threading.Event(), threading.Event()
 
@@ -84,6 +99,7 @@ def run_solver(
     worker.join()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
+    clock.charge(solver.deterministic_time)
     return outcome["status"]  # type: ignore[return-value]
 
 

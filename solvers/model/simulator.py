@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import clock
 from .offload_sim import OffloadEvent, replay_offload
 from .problem import Phase, Problem, Schedule, ScheduleError, TensorKind
 
@@ -70,6 +71,7 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
     _check_orders(problem, schedule)
     steps = _steps(problem, schedule)
+    clock.charge(len(steps) * clock.SIMULATED_STEP_S)
     n_fw = len(schedule.fw_order)
     walk = _walk(problem, steps, n_fw)
     span = walk.span

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from ..model.problem import Problem, Schedule, TensorKind
 from ..model.liveness import recompute_candidates
 from ..model.simulator import simulate
+from ..model import clock
 
 
 def place_recomputes(problem: Problem, fw_order: list[int], bw_order: list[int], recompute: Iterable[int]) -> Schedule:
@@ -97,7 +97,7 @@ def greedy_recompute(
     Each round scores every saved activation live at the current peak by
     (bytes freed at the peak) / (recompute time), recomputes the best one's producer,
     and re-simulates. Returns the lowest-peak schedule seen if the budget is never met.
-    `start`: recomputations to begin from; `deadline`: a time.perf_counter() to stop at.
+    `start`: recomputations to begin from; `deadline`: a clock.now() to stop at.
     """
     fw_order = list(fw_order) if fw_order is not None else [o.id for o in problem.fw_ops]
     bw_order = list(bw_order) if bw_order is not None else [o.id for o in problem.bw_ops]
@@ -112,7 +112,7 @@ def greedy_recompute(
     for _ in range(rounds):
         if budget is not None and sim.peak_bytes <= budget:
             return sched
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and clock.now() > deadline:
             break
         k = sim.peak_step
         at_peak = [lt for lt in sim.lifetimes if lt.start <= k <= lt.end and not lt.recomputed and lt.tensor in sim.saved]
@@ -161,8 +161,9 @@ def lower_bound_peak(problem: Problem) -> int:
     if caller and problem.has_backward:
         best = max(best, act(caller + [t.id for t in problem.tensors if t.kind is TensorKind.TANGENT]))
     for op in problem.ops:
-        # an output written into an input's storage shares its bytes: count the larger saving
-        shared = max((problem.tensors[i].bytes for _o, i in op.reuse), default=0)
+        # an output written into an input's storage shares its bytes: count the larger saving (all, together)
+        reused = [problem.tensors[i].bytes for _o, i in op.reuse]
+        shared = sum(reused) if op.reuse_all else max(reused, default=0)  # reuse_all: every pair at once
         best = max(best, act(op.inputs + op.outputs) - shared + op.workspace_bytes)
     return inputs + best
 
@@ -183,7 +184,7 @@ def prune_recomputes(
     """
     chosen = set(recompute)
     for o in sorted(chosen, key=lambda o: -problem.ops[o].time_s):
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and clock.now() > deadline:
             break
         trial = chosen - {o}
         if simulate(problem, place_recomputes(problem, fw_order, bw_order, trial)).peak_bytes <= budget:

@@ -11,11 +11,11 @@ every step, so what comes out fits and its time counts every stall.
 
 from __future__ import annotations
 
-import time
 
 from .heuristics import greedy_recompute, place_recomputes, prune_recomputes
 from ..model.problem import Problem, Schedule, TensorKind
 from ..model.simulator import SimResult, simulate
+from ..model import clock
 
 LADDER = (1.0, 0.75, 0.5, 0.25, 0.0)  # rungs: share of the way from the budget to the unplanned peak
 LEADS = (1.0, 2.0)  # prefetch early enough to hide this many copy times behind compute
@@ -63,7 +63,7 @@ def add_offloads(problem: Problem, schedule: Schedule, budget: int, deadline: fl
     sim = simulate(problem, sched)
     host_cap = problem.host_budget_bytes if problem.host_budget_bytes is not None else float("inf")
     while sim.peak_bytes > budget:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and clock.now() > deadline:
             return None
         best = None  # (key, schedule, sim)
         for t in _offloadable_at_peak(problem, sim, host_cap - sim.host_bytes)[:CANDIDATES_PER_ROUND]:
@@ -116,7 +116,7 @@ def mix_offload_and_recompute(
     out: list[Schedule] = []
     tried: set[frozenset[int]] = set()
     for share in LADDER:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and clock.now() > deadline:
             break
         rung = int(budget + share * (top - budget))
         start = greedy_recompute(problem, rung if share < 1.0 else None, fw_order, bw_order, deadline=deadline)

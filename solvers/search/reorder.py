@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 
 from ..cpsat.window import reorder_window
 from ..model.problem import Problem, Schedule
 from ..model.simulator import simulate
+from ..model import clock
 
 
 def refine_order(
@@ -23,12 +23,12 @@ def refine_order(
     Windows never cross from the forward into the backward. Time is unchanged by
     reordering, so the result is never slower than `schedule`.
     """
-    deadline = time.perf_counter() + time_limit_s
+    deadline = clock.now() + time_limit_s
     sim = simulate(problem, schedule)
     for _ in range(max_rounds):
         improved = False
         for a, b in _windows(sim.peak_step, sim.n_forward_steps, len(sim.steps), window):
-            left = deadline - time.perf_counter()
+            left = deadline - clock.now()
             if left <= 0.05:
                 return schedule
             new = reorder_window(problem, sim, a, b, time_limit_s=min(left, 2.0), workers=workers)

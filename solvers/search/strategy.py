@@ -24,28 +24,75 @@ from .heuristics import (
 from ..model.problem import Problem, Schedule, SolveStats, default_schedule
 from ..cpsat.bound import solve_bound_and_repair
 from .offload import mix_offload_and_recompute
+from ..model import clock
 from ..progress import Display, ProgressLine
+from .segments import improve_by_segments
 from .reorder import base_orders, refine_order
 from ..model.simulator import SimResult, simulate
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop searching once a plan is provably within 0.2% of the step time
+WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; the segment search has the rest
+TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
+EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
+TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
 
 
 class BudgetInfeasibleError(Exception):
-    """No plan found within the budget. Carries the lowest peak found and a proven lower bound."""
+    """No plan found within the budget. Carries the lowest peak found and a proven lower bound.
+
+    `proven`: the budget is below the bound, so no plan can fit. Otherwise a plan may exist
+    between the bound and the lowest peak found; `PlanningTimeLimitError` (a subclass) says the
+    time limit ended the search, this class alone that the search ended by itself.
+    """
 
     def __init__(
-        self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None
+        self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None,
+        *, elapsed_s: float | None = None, time_limit_s: float | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.lowest_peak_bytes = lowest_peak_bytes
         self.lowest_schedule = lowest_schedule  # a plan that reaches lowest_peak_bytes
         self.lower_bound_bytes = lower_bound_bytes
-        super().__init__(
-            f"no plan fits {budget_bytes / 2**20:.2f} MiB: the lowest peak found is "
-            f"{lowest_peak_bytes / 2**20:.2f} MiB and no plan can go below {lower_bound_bytes / 2**20:.2f} MiB"
+        self.elapsed_s = elapsed_s
+        self.time_limit_s = time_limit_s
+        super().__init__(self._message())
+
+    @property
+    def proven(self) -> bool:
+        """No plan can fit: the budget is below a peak every plan reaches."""
+        return self.budget_bytes < self.lower_bound_bytes
+
+    @property
+    def peak_gap(self) -> float:
+        """(lowest peak found - bound) / lowest peak found: how far the search may be from the lowest peak."""
+        if self.lowest_peak_bytes <= 0:
+            return 0.0
+        return max(0.0, (self.lowest_peak_bytes - self.lower_bound_bytes) / self.lowest_peak_bytes)
+
+    def _message(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        found = f"the lowest peak found is {mib(self.lowest_peak_bytes)}"
+        if self.proven:
+            return f"no plan fits {mib(self.budget_bytes)}, and none can: every plan needs at least {mib(self.lower_bound_bytes)} ({found})"
+        took = f" after {self.elapsed_s:.1f}s" if self.elapsed_s is not None else ""
+        return (
+            f"no plan fits {mib(self.budget_bytes)}: none found{took}; {found}, and no plan can go below "
+            f"{mib(self.lower_bound_bytes)} (gap {self.peak_gap:.1%}); the search ended before its time limit, "
+            "so a larger one is unlikely to help"
+        )
+
+
+class PlanningTimeLimitError(BudgetInfeasibleError):
+    """The time limit ended the search before a plan within the budget was found: one may exist."""
+
+    def _message(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        return (
+            f"no plan fits {mib(self.budget_bytes)} within the time limit: it ended the search ({self.time_limit_s:g}s, "
+            f"{self.elapsed_s:.1f}s used) before one was found; the lowest peak found is {mib(self.lowest_peak_bytes)} and no "
+            f"plan can go below {mib(self.lower_bound_bytes)} (gap {self.peak_gap:.1%}); a larger time_limit_s may find one"
         )
 
 
@@ -74,48 +121,99 @@ def solve(
     time_limit_s: float = 5.0,
     workers: int | None = None,
     progress: bool | Display = False,
+    deterministic: bool = False,
 ) -> Solution:
     """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak).
 
-    Training steps of up to INTERVAL_MODEL_MAX_OPS ops use the interval model
-    (exact liveness, conservative placement) alternated with reordering; larger ones
-    the relaxation-and-repair model. Either way the reported bound comes from the
-    relaxation for the order the plan runs in, so the gap is valid for that order.
+    Training steps: whole-program save/recompute models (the interval model up to
+    INTERVAL_MODEL_MAX_OPS ops, alternated with reordering; above, the relaxation-and-repair
+    model), then the segment search (each block's backward planned whole: order and
+    save/recompute together, copied to repeated blocks), then offloading when allowed. The
+    reported time bound is the relaxation's for the order the plan runs in: valid over every
+    save/recompute(/offload) plan in that order, and "OPTIMAL" only when the plan meets it.
+    `deterministic`: the same plan on every run (solvers/model/clock.py); the time limit counts work.
     """
-    t0 = time.perf_counter()
+    with clock.deterministic(deterministic):
+        return _solve(problem, budget_bytes, time_limit_s, workers, progress)
+
+
+def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, workers: int | None, progress) -> Solution:
+    wall0, t0 = time.perf_counter(), clock.now()
     workers = workers or max(1, min(8, os.cpu_count() or 1))
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
     line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress is not False,
                         display=None if isinstance(progress, bool) else progress)
     try:
+        cut = False
         if problem.has_backward:
             offload = problem.host_bw > 0 and budget_bytes is not None
             search_s = (0.6 if offload else 0.8) * time_limit_s
+            whole_s = search_s * (WHOLE_PROGRAM_SHARE if budget_bytes is not None else 1.0)
+            early = None
+            if budget_bytes is not None and budget_bytes < TIGHT_BUDGET * baseline.peak_bytes:
+                # tight: the segment search from the program as captured first (whole-program models
+                # tend to recompute the chain between blocks there)
+                line.note("planning block by block")
+                early, cut = improve_by_segments(problem, default_schedule(problem), budget_bytes,
+                                                 deadline=t0 + EARLY_SEGMENT_SHARE * search_s, workers=workers)
+                whole_s = search_s * WHOLE_PROGRAM_SHARE - (clock.now() - t0)
             if len(problem.ops) <= INTERVAL_MODEL_MAX_OPS:
-                best, stats, lowest = _solve_training(problem, budget_bytes, search_s, workers)
+                best, stats, lowest = _solve_training(problem, budget_bytes, whole_s, workers)
             else:
-                best, stats, lowest = _solve_training_scalable(problem, budget_bytes, search_s, workers, line)
+                best, stats, lowest = _solve_training_scalable(problem, budget_bytes, whole_s, workers, line)
+            if early is not None:
+                best, stats, lowest = _merge(problem, budget_bytes, best, stats, lowest, early)
+            if budget_bytes is not None:
+                line.note("planning block by block")
+                best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest, t0 + search_s, workers)
+                cut = cut or cut_late
             if offload:
                 line.note("mixing offload and recomputation")
                 best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + 0.8 * time_limit_s)
                 if best is not None:
                     _weaken_to_offload_space(problem, stats)
-            if best is not None and budget_bytes is not None and stats.status != "OPTIMAL":
-                _certify(problem, best, budget_bytes, stats, time_limit_s - (time.perf_counter() - t0), workers)
+            if best is not None and budget_bytes is not None:
+                _certify(problem, best, budget_bytes, stats, time_limit_s - (clock.now() - t0), workers)
         else:
             best, stats = _solve_forward_only(problem, time_limit_s, workers)
             lowest = best
         sim = simulate(problem, best) if best is not None else None
         if sim is None or not _fits(sim, budget_bytes):
             line.close()
-            raise BudgetInfeasibleError(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest)
-        stats.wall_s = time.perf_counter() - t0
+            used = clock.now() - t0
+            error = PlanningTimeLimitError if cut or used >= TIME_LIMIT_USED * time_limit_s else BudgetInfeasibleError
+            raise error(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest,
+                        elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s)
+        stats.wall_s = time.perf_counter() - wall0
         line.close(f"{stats.status}, estimated {stats.objective_s * 1e3:.2f} ms, gap {stats.gap:.2%}, {stats.wall_s:.1f}s")
     except BaseException:  # Ctrl-C or an error: the live line must not outlive the solve
         line.close()
         raise
     return Solution(best, sim, stats, baseline, budget_bytes, lower)
+
+
+def _merge(problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, other: Schedule):
+    """(best, its stats, lowest) with one more plan considered."""
+    kept_best = None if best is None else _Candidate(best, simulate(problem, best), stats)
+    kept_lowest = _Candidate(lowest, simulate(problem, lowest), stats)
+    sim = simulate(problem, other)
+    cand = _Candidate(other, sim, _heuristic_stats(problem, sim, "segment search (order and save/recompute per block)"))
+    kept_best, kept_lowest = _keep(kept_best, kept_lowest, cand, budget)
+    if kept_best is None:
+        return None, stats, kept_lowest.schedule
+    return kept_best.schedule, kept_best.stats, kept_lowest.schedule
+
+
+def _by_segments(
+    problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float, workers: int
+) -> tuple[Schedule | None, SolveStats, Schedule, bool]:
+    """The segment search from the plan found when it fits (to make it faster), else from the lowest
+    plan found (to make one fit). Last: whether the deadline cut it short."""
+    if deadline - clock.now() < 0.1:
+        return best, stats, lowest, True
+    found, cut = improve_by_segments(problem, best if best is not None else lowest, budget, deadline=deadline, workers=workers)
+    return (*_merge(problem, budget, best, stats, lowest, found), cut)
 
 
 def _solve_forward_only(
@@ -154,7 +252,7 @@ def _solve_training(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int
 ) -> tuple[Schedule | None, SolveStats, Schedule]:
     """Alternate: save/recompute for a fixed order, then reorder around the peak, then again."""
-    deadline = time.perf_counter() + time_limit_s
+    deadline = clock.now() + time_limit_s
     bw_order = [o.id for o in problem.bw_ops]
     program = [o.id for o in problem.fw_ops]
     orders = [(program, bw_order, "program order")]
@@ -172,7 +270,7 @@ def _solve_training(
         if cand is not None:
             best, lowest = _keep(best, lowest, cand, budget)
     for round_ in range(8):  # reorder around the peak, then re-decide recomputation for the new order
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         if left < 0.2:
             break
         base = best if best is not None else lowest
@@ -184,11 +282,11 @@ def _solve_training(
         fw_order, bw = base_orders(problem, refined)
         stats = _heuristic_stats(problem, rsim, f"{base.stats.method}, then {label}")
         best, lowest = _keep(best, lowest, _Candidate(refined, rsim, stats), budget)
-        left = deadline - time.perf_counter()
+        left = deadline - clock.now()
         for cand in _remat_candidates(problem, budget, fw_order, bw, 0.5 * left, workers, label):
             best, lowest = _keep(best, lowest, cand, budget)
         if best is None:  # still over budget: push the peak down as far as this order allows
-            cand = _min_peak_candidate(problem, fw_order, bw, 0.3 * (deadline - time.perf_counter()), workers, label)
+            cand = _min_peak_candidate(problem, fw_order, bw, 0.3 * (deadline - clock.now()), workers, label)
             if cand is not None:
                 best, lowest = _keep(best, lowest, cand, budget)
     if best is None:
@@ -251,15 +349,18 @@ def _remat_candidates(
     sched = place_recomputes(problem, fw_order, bw_order, kept)
     sim = simulate(problem, sched)
     base_s = sum(problem.ops[o].time_s for o in fw_order + bw_order)
-    bound = base_s + res.bound_s
+    bound = base_s  # every op once; the interval model's own bound is not valid (it over-counts memory)
+    # the interval model counts memory conservatively: its OPTIMAL proves nothing about the simulator's
+    # plans, so the status waits for the relaxation's certificate (_certify)
+    notes = list(res.notes) + ([f"interval model {res.status} (conservative memory: not a proof)"] if res.status == "OPTIMAL" else [])
     stats = SolveStats(
-        status=res.status,
+        status="FEASIBLE",
         objective_s=sim.time_s,
         bound_s=bound,
         gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s > 0 else 0.0,
         wall_s=time.perf_counter() - t_start,
         method=f"cp-sat save/recompute, {label}",
-        notes=list(res.notes),
+        notes=notes,
     )
     out.append(_Candidate(sched, sim, stats))
     return out
@@ -291,7 +392,7 @@ def _solve_training_scalable(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int, line: ProgressLine
 ) -> tuple[Schedule | None, SolveStats, Schedule]:
     """Relaxation + repair in the program's order, a greedy finish if needed, then reordering."""
-    deadline = time.perf_counter() + time_limit_s
+    deadline = clock.now() + time_limit_s
     fw = [o.id for o in problem.fw_ops]
     bw = [o.id for o in problem.bw_ops]
     base_s = sum(o.time_s for o in problem.ops)
@@ -336,7 +437,7 @@ def _solve_training_scalable(
         cand = _Candidate(every, esim, _heuristic_stats(problem, esim, "recompute every candidate, program order"))
         best, lowest = _keep(best, lowest, cand, budget)
         stats = best.stats if best is not None else stats
-    left = deadline - time.perf_counter()
+    left = deadline - clock.now()
     if left > 0.5:
         # reordering keeps the recompute set (so the time): it only lowers the peak, or rescues
         # a plan still over budget, so it gets a small share unless the plan does not fit yet
@@ -380,25 +481,37 @@ def _weaken_to_offload_space(problem: Problem, stats: SolveStats) -> None:
 
 
 def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:
-    """Replace the bound with the relaxation's for the plan's own order: valid for every plan in that order
-    (offloading ones too when the problem allows offloading)."""
-    if time_s <= 0.05:
-        return
+    """The bound and status a plan may claim: the relaxation's bound for the plan's own order (valid
+    for every plan in that order, offloading ones too when the problem allows offloading), "OPTIMAL"
+    only when the plan meets it; when the relaxation cannot run, the bound every plan meets (each
+    op once, no waiting)."""
     fw, bw = base_orders(problem, schedule)
     base_s = sum(problem.ops[o].time_s for o in fw + bw)
-    res = solve_bound_and_repair(
-        problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1,
-        gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0,
-    )
-    if res is None or res.status in ("UNKNOWN", "MODEL_INVALID"):
+    res = None
+    if time_s > 0.05:
+        res = solve_bound_and_repair(
+            problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1,
+            gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0,
+        )
+    if res is None or res.status in ("UNKNOWN", "MODEL_INVALID", "INFEASIBLE"):
+        if res is not None and res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits
+            stats.notes.append("relaxation found no plan in this order (a modelling bug)")
+        _set_bound(stats, base_s)
+        stats.notes.append("bound: every op once, over every plan (the relaxation did not finish)")
         return
-    if res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits: keep the bound we have
-        stats.notes.append("relaxation found no plan in this order (a modelling bug): bound not certified")
+    if base_s + res.bound_s > stats.objective_s * (1 + 1e-9):  # above a plan that fits: the relaxation is wrong here
+        _set_bound(stats, base_s)
+        stats.notes.append("bound: every op once, over every plan (the relaxation's was above this plan: a modelling bug)")
         return
-    bound = base_s + res.bound_s
-    stats.bound_s = bound
-    stats.gap = max(0.0, (stats.objective_s - bound) / stats.objective_s) if stats.objective_s else 0.0
+    _set_bound(stats, base_s + res.bound_s)
+    space = "save/recompute/offload" if problem.host_bw > 0 else "save/recompute"
+    stats.notes.append(f"bound: relaxation over every {space} plan in this op order")
+
+
+def _set_bound(stats: SolveStats, bound_s: float) -> None:
+    stats.bound_s = bound_s
+    stats.gap = max(0.0, (stats.objective_s - bound_s) / stats.objective_s) if stats.objective_s else 0.0
     if stats.gap <= 1e-6:  # within the ns rounding of costs
         stats.status = "OPTIMAL"
-    space = "save/recompute/offload" if problem.host_bw > 0 else "save/recompute"
-    stats.notes.append(f"bound: relaxation over {space} plans in this order")
+    elif stats.status == "OPTIMAL":
+        stats.status = "FEASIBLE"

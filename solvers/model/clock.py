@@ -1,0 +1,60 @@
+"""The solvers' clock: wall seconds, or, in deterministic mode, counted work.
+
+Every deadline in the search reads `now()`. Normally that is `time.perf_counter()`. Inside
+`deterministic()` it is the work done so far instead: CP-SAT's deterministic time for each
+solve (a count of its operations, about a second of a modern core per unit) plus a fixed
+charge per simulated step. Then every branch the search takes depends on the problem alone,
+not on the machine's speed or load, and CP-SAT itself runs with interleaved (not raced)
+workers, a fixed seed and a deterministic limit (solvers/cpsat/common.make_solver): the same
+problem and options give the same plan on every run and on every rank of a distributed job.
+The time limit is then a limit on work, which takes about as long as the wall limit on an
+unloaded modern core and longer on a slower or busier one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator
+
+SIMULATED_STEP_S = 1e-5  # work charged per step the simulator replays (about what it takes here)
+DETERMINISTIC_WORKERS = 4  # CP-SAT workers in deterministic mode, whatever the machine has
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+_work: contextvars.ContextVar[_Work | None] = contextvars.ContextVar("optsched_solver_work", default=None)
+
+
+def now() -> float:
+    """Seconds on the solvers' clock (a start-independent origin: compare differences only)."""
+    work = _work.get()
+    return time.perf_counter() if work is None else work.seconds
+
+
+def is_deterministic() -> bool:
+    return _work.get() is not None
+
+
+def charge(seconds: float) -> None:
+    """Count work done (no-op outside deterministic mode, where the wall clock runs by itself)."""
+    work = _work.get()
+    if work is not None:
+        work.seconds += seconds
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True) -> Iterator[None]:
+    """Within this block, the solvers count work instead of wall time (see the module doc)."""
+    if not enabled or _work.get() is not None:
+        yield
+        return
+    token = _work.set(_Work())
+    try:
+        yield
+    finally:
+        _work.reset(token)

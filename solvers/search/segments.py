@@ -1,0 +1,187 @@
+"""Search by segments: replan one stretch of the backward at a time, copy the answer to repeated blocks.
+
+Starting from any plan, each round takes the segment that matters most (the one holding
+the peak while the plan is over budget, else the one spending most on recomputation),
+replans it whole with solvers/cpsat/segment.py (order and save/recompute together, the
+rest of the plan held), and keeps the result when the simulator says it is better. When the
+segment is a repeated block's, the same change is tried on every other block of that
+shape at once: a block solved once serves the whole chain, which keeps planning time
+linear in depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..model import clock
+from ..cpsat.segment import free_ops, replan_segment
+from ..model.problem import Phase, Problem, Schedule
+from ..model.simulator import SimResult, simulate
+from .blocks import Groups, find_groups, op_signature, segments
+
+SEGMENT_S = 2.0  # the most one segment model may take
+
+
+def _fits(sim: SimResult, budget: int | None) -> bool:
+    return budget is None or sim.peak_bytes <= budget
+
+
+def better(a: SimResult, b: SimResult, budget: int | None) -> bool:
+    """Within budget and faster (then lower); else, while neither fits, lower."""
+    fa, fb = _fits(a, budget), _fits(b, budget)
+    if fa != fb:
+        return fa
+    if fa:
+        return (round(a.time_s, 12), a.peak_bytes) < (round(b.time_s, 12), b.peak_bytes)
+    return (a.peak_bytes, round(a.time_s, 12)) < (b.peak_bytes, round(b.time_s, 12))
+
+
+def splice(problem: Problem, sim: SimResult, a: int, b: int, new: list[tuple[int, bool]]) -> Schedule:
+    n_fw = sim.n_forward_steps
+    steps = sim.steps[n_fw:a] + new + sim.steps[b:]
+    return Schedule([o for o, _ in sim.steps[:n_fw]], [o for o, _ in steps])
+
+
+def improve_by_segments(
+    problem: Problem,
+    schedule: Schedule,
+    budget: int | None,
+    *,
+    deadline: float,
+    workers: int = 2,
+    on_step: Callable[[str], None] | None = None,
+    max_rounds: int = 200,
+) -> tuple[Schedule, bool]:
+    """The best plan reached from `schedule` by replanning segments (never worse than `schedule`), and
+    whether the deadline cut the search short (False: no segment change helps any more)."""
+    groups = find_groups(problem, schedule.fw_order)
+    best, bsim = schedule, simulate(problem, schedule)
+    tried: set[tuple] = set()
+    for _ in range(max_rounds):
+        fits = _fits(bsim, budget)
+        segs = _priority(problem, bsim, groups, segments(problem, bsim, groups), budget)
+        improved = False
+        for a, b, g in segs:
+            left = deadline - clock.now()
+            if left < 0.1:
+                return best, True
+            state = (tuple(bsim.steps[a:b]), fits)
+            if state in tried:
+                continue
+            tried.add(state)
+            free = free_ops(problem, bsim, a, b, groups.members[g])
+            res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=min(left, SEGMENT_S), workers=workers)
+            if res is None and not fits:
+                res = replan_segment(problem, bsim, a, b, free, None, time_limit_s=min(left, SEGMENT_S), workers=workers)
+            if res is None:
+                continue
+            cand = splice(problem, bsim, a, b, res.steps)
+            csim = simulate(problem, cand)
+            if not better(csim, bsim, budget):
+                continue
+            best, bsim, improved = cand, csim, True
+            if on_step:
+                on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
+            if g in groups.block_set:
+                best, bsim = _copy_to_siblings(problem, groups, best, bsim, (a, b, g), state[0], budget)
+            break
+        if not improved:
+            return best, False
+    return best, True
+
+
+def _priority(problem: Problem, sim: SimResult, groups: Groups, segs, budget: int | None):
+    """Over budget: the segment holding the peak, then those whose saved activations are live there.
+    Within budget: most recomputation time first."""
+    if not _fits(sim, budget):
+        k = sim.peak_step
+        live_at_peak: dict[int, int] = {}
+        for lt in sim.lifetimes:
+            if lt.start <= k <= lt.end and not lt.recomputed:
+                prod = problem.tensors[lt.tensor].producer
+                if prod is not None and prod in groups.of_op:
+                    g = groups.of_op[prod]
+                    live_at_peak[g] = live_at_peak.get(g, 0) + problem.tensors[lt.tensor].bytes
+        holding = [s for s in segs if s[0] <= k < s[1]]
+        rest = sorted((s for s in segs if s not in holding), key=lambda s: -live_at_peak.get(s[2], 0))
+        return holding + [s for s in rest if live_at_peak.get(s[2], 0) > 0]
+    rc_time = []
+    for a, b, g in segs:
+        t = sum(problem.ops[o].time_s for o, rc in sim.steps[a:b] if rc)
+        rc_time.append((-t, a, b, g))
+    return [(a, b, g) for t, a, b, g in sorted(rc_time) if t < 0]
+
+
+def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, seg, old_steps, budget):
+    """Apply the change made to one block's segment to every other block's of the same shape."""
+    g = seg[2]
+    # the solved segment in the accepted plan: find it again (its start is unchanged)
+    segs_now = {s[2]: s for s in segments(problem, sim, groups)}
+    if g not in segs_now:
+        return sched, sim
+    a2, b2, _ = segs_now[g]
+    solved = sim.steps[a2:b2]
+    src = groups.members[g]
+    index_fw = {o: i for i, o in enumerate(src)}
+    old_index = {s: i for i, s in enumerate(old_steps)}
+    cand_sched, cand_sim = sched, sim
+    changed = False
+    for h in groups.blocks:
+        if h == g or h not in segs_now:
+            continue
+        ha, hb, _ = segs_now[h]
+        target_old = sim.steps[ha:hb]
+        mapping = _match(problem, old_steps, target_old, src, groups.members[h])
+        if mapping is None:
+            continue
+        fw_map = {o: groups.members[h][i] for o, i in index_fw.items()}
+        mapped = []
+        for o, rc in solved:
+            if rc:
+                if o not in fw_map:
+                    mapping = None
+                    break
+                mapped.append((fw_map[o], True))
+            elif (o, rc) in old_index:
+                mapped.append(mapping[old_index[(o, rc)]])
+            else:
+                mapping = None
+                break
+        if mapping is None:
+            continue
+        # steps of h's old segment recomputing ops the solved segment no longer recomputes are dropped
+        trial = _replace(problem, cand_sim, target_old, mapped)
+        if trial is None:
+            continue
+        try:
+            tsim = simulate(problem, trial)
+        except ValueError:
+            continue
+        if better(tsim, cand_sim, budget):
+            cand_sched, cand_sim, changed = trial, tsim, True
+    return (cand_sched, cand_sim) if changed else (sched, sim)
+
+
+def _match(problem: Problem, src_steps, dst_steps, src_fw, dst_fw) -> list | None:
+    """dst's steps in src's order, when the two segments are the same sequence of op shapes."""
+    if len(src_steps) != len(dst_steps) or len(src_fw) != len(dst_fw):
+        return None
+    for (o1, r1), (o2, r2) in zip(src_steps, dst_steps):
+        if r1 != r2 or op_signature(problem, o1) != op_signature(problem, o2):
+            return None
+    return list(dst_steps)
+
+
+def _replace(problem: Problem, sim: SimResult, old: list, new: list) -> Schedule | None:
+    """The plan with the run of steps `old` (found in its backward) replaced by `new`."""
+    n_fw = sim.n_forward_steps
+    steps = sim.steps
+    for k in range(n_fw, len(steps) - len(old) + 1):
+        if steps[k:k + len(old)] == old:
+            bw = steps[n_fw:k] + new + steps[k + len(old):]
+            if len({s for s in bw}) != len(bw):
+                return None
+            if any(problem.ops[o].phase is Phase.FW and not rc for o, rc in bw):
+                return None
+            return Schedule([o for o, _ in steps[:n_fw]], [o for o, _ in bw])
+    return None

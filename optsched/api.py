@@ -335,7 +335,7 @@ def optimize(
     forward is run on them and discarded). `result.plan` is the plan of the program the
     latest call ran. A budget no plan can meet raises BudgetInfeasibleError.
 
-    time_limit_s: planning time limit; by default the larger of 5 s and 0.02 s per op.
+    time_limit_s: planning time limit; by default 0.02 s per op, at least 5 s and at most 30 s.
     progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
     offload: let saved activations wait in host memory between forward and backward,
     copied on side streams that overlap compute, where that is cheaper than
@@ -354,10 +354,12 @@ def optimize(
     ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of these.
     on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
     (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
-    deterministic: the same plan on every run, machine and rank: CP-SAT with fixed seeds and
-    worker count, and every time limit counted as work rather than wall seconds (so on a slow
-    or busy machine planning takes longer than time_limit_s). None (default): on when `plan`
-    is given (plan files), off otherwise.
+    deterministic: the same plan on every run, machine and rank for the same op costs (a
+    device profile's, or a plan file's): CP-SAT single-threaded with a fixed seed, and every
+    time limit counted as work rather than wall seconds (so on a slow or busy machine planning
+    takes longer than time_limit_s). None (default) and True: on. False: CP-SAT races
+    min(8, cores) workers against the wall clock (on many cores it may find better plans in the
+    time; two runs may differ).
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):

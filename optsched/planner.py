@@ -46,6 +46,7 @@ from .user_checkpoint import solve_within_user_checkpointing
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
+DEFAULT_TIME_LIMIT_MAX_S = 30.0  # and at most this: repeated blocks are searched alike, so depth costs little
 DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
 
 
@@ -245,7 +246,7 @@ class Planner:
             budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
         limit = self.settings.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
-            limit = max(DEFAULT_TIME_LIMIT_S, DEFAULT_S_PER_OP * len(problem.ops))
+            limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
         progress = LiveLine() if self.settings.progress else False
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:

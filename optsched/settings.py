@@ -30,8 +30,8 @@ class PlanningSettings:
 
     @property
     def deterministic_planning(self) -> bool:
-        """Deterministic solving (solvers/model/clock.py): as asked, else whenever the plan goes to a file."""
-        return self.deterministic if self.deterministic is not None else self.plan is not None
+        """Deterministic solving (solvers/model/clock.py) unless turned off."""
+        return self.deterministic is not False
 
     @property
     def plan_spec(self) -> str | None:

@@ -84,7 +84,7 @@ class _BoundModel:
     def fixed_units(self, k: int) -> int:
         return self.o.static[k] // self.unit
 
-    def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None):
+    def build(self, budget_bytes: int, margin: list[int], hint: set[int] | None, ties: list[list[int]] = ()):
         """A model with `margin` extra units at each step (all zero for the bound).
 
         The surely-live sum is carried from segment to segment (the steps between two
@@ -94,6 +94,10 @@ class _BoundModel:
         """
         m = cp_model.CpModel()
         r = {o: m.NewBoolVar(f"r{o}") for o in self.o.candidates}
+        for group in ties:  # repeated blocks decide alike (no longer a relaxation: plans only, not bounds)
+            present = [o for o in group if o in r]
+            for o in present[1:]:
+                m.Add(r[o] == r[present[0]])
         f = {t: m.NewBoolVar(f"f{t}") for t in self.offloadable}
         saved = {}
         for act in self.o.activations:
@@ -183,6 +187,7 @@ def solve_bound_and_repair(
     workers: int = 2,
     hint: set[int] | None = None,
     max_rounds: int = 8,
+    ties: list[list[int]] = (),
     on_solution: Callable[[float, float], None] | None = None,
     gap_s: float = 0.0,
     offload: bool = False,
@@ -204,7 +209,7 @@ def solve_bound_and_repair(
         left = deadline - clock.now()
         if left <= 0.05:
             break
-        m, r = model.build(budget_bytes, margin, chosen if chosen else hint)
+        m, r = model.build(budget_bytes, margin, chosen if chosen else hint, ties)
         solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers)
         solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS) if on_solution else None
@@ -215,6 +220,8 @@ def solve_bound_and_repair(
                 return BoundResult(set(), "INFEASIBLE", float("inf"), False, rounds, time.perf_counter() - t0)
             # costs were rounded to whole ns (at least 1): take that slack off so the bound stays below
             bound_s = max(0.0, solver.BestObjectiveBound() - len(model.o.candidates)) * NS
+            if ties:  # tied decisions restrict the plans: the model bounds nothing
+                bound_s = 0.0
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         chosen = {o for o, v in r.items() if solver.Value(v)}

@@ -12,8 +12,8 @@ from ..model import clock
 from ..model.problem import Problem
 
 NS = 1e-9  # time unit: op costs are whole nanoseconds (at least 1)
-RESOLUTION = 1 << 20
-DETERMINISTIC_WALL_FACTOR = 20.0  # memory units across all of a step's storages
+RESOLUTION = 1 << 20  # memory units across all of a step's storages
+DETERMINISTIC_WALL_FACTOR = 20.0  # a deterministic solve's wall-clock safety net, times its work limit
 
 
 def memory_unit(problem: Problem, resolution: int = RESOLUTION) -> int:
@@ -34,8 +34,8 @@ def cost_ns(time_s: float) -> int:
 
 def make_solver(time_limit_s: float, workers: int, linearization_level: int | None = None) -> cp_model.CpSolver:
     """In deterministic mode (solvers/model/clock.py) the same answer on every run and machine: the limit
-    is CP-SAT's deterministic time, DETERMINISTIC_WORKERS workers interleaved in fixed batches
-    rather than raced, the seed fixed; a wall-clock cap of DETERMINISTIC_WALL_FACTOR times the
+    is CP-SAT's deterministic time, DETERMINISTIC_WORKERS workers (interleaved in fixed batches
+    rather than raced when more than one), the seed fixed; a wall-clock cap of DETERMINISTIC_WALL_FACTOR times the
     limit stays as a safety net."""
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
@@ -44,7 +44,7 @@ def make_solver(time_limit_s: float, workers: int, linearization_level: int | No
         solver.parameters.num_workers = clock.DETERMINISTIC_WORKERS
         solver.parameters.max_deterministic_time = max(0.05, time_limit_s)
         solver.parameters.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * max(0.05, time_limit_s)
-        solver.parameters.interleave_search = True
+        solver.parameters.interleave_search = clock.DETERMINISTIC_WORKERS > 1
     else:
         solver.parameters.max_time_in_seconds = max(0.05, time_limit_s)
     if linearization_level is not None:

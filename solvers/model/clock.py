@@ -4,8 +4,9 @@ Every deadline in the search reads `now()`. Normally that is `time.perf_counter(
 `deterministic()` it is the work done so far instead: CP-SAT's deterministic time for each
 solve (a count of its operations, about a second of a modern core per unit) plus a fixed
 charge per simulated step. Then every branch the search takes depends on the problem alone,
-not on the machine's speed or load, and CP-SAT itself runs with interleaved (not raced)
-workers, a fixed seed and a deterministic limit (solvers/cpsat/common.make_solver): the same
+not on the machine's speed or load, and CP-SAT itself runs single-threaded (or with
+interleaved, not raced, workers), a fixed seed and a deterministic limit
+(solvers/cpsat/common.make_solver): the same
 problem and options give the same plan on every run and on every rank of a distributed job.
 The time limit is then a limit on work, which takes about as long as the wall limit on an
 unloaded modern core and longer on a slower or busier one.
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 SIMULATED_STEP_S = 1e-5  # work charged per step the simulator replays (about what it takes here)
-DETERMINISTIC_WORKERS = 4  # CP-SAT workers in deterministic mode, whatever the machine has
+DETERMINISTIC_WORKERS = 1  # CP-SAT workers in deterministic mode: one (interleaved workers were 5-10x slower per solve)
 
 
 class _Work:

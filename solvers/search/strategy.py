@@ -26,6 +26,7 @@ from ..cpsat.bound import solve_bound_and_repair
 from .offload import mix_offload_and_recompute
 from ..model import clock
 from ..progress import Display, ProgressLine
+from .blocks import find_groups
 from .segments import improve_by_segments
 from .reorder import base_orders, refine_order
 from ..model.simulator import SimResult, simulate
@@ -33,6 +34,8 @@ from ..model.simulator import SimResult, simulate
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop searching once a plan is provably within 0.2% of the step time
+SEARCH_SHARE = 0.75  # of the time limit, for finding plans; the rest certifies the bound (_certify)
+OFFLOAD_SHARE = 0.2  # of the time limit, within SEARCH_SHARE, for mixing in offloads when allowed
 WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; the segment search has the rest
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
 EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
@@ -148,10 +151,11 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
         cut = False
         if problem.has_backward:
             offload = problem.host_bw > 0 and budget_bytes is not None
-            search_s = (0.6 if offload else 0.8) * time_limit_s
+            search_s = (SEARCH_SHARE - OFFLOAD_SHARE if offload else SEARCH_SHARE) * time_limit_s
             whole_s = search_s * (WHOLE_PROGRAM_SHARE if budget_bytes is not None else 1.0)
             early = None
-            if budget_bytes is not None and budget_bytes < TIGHT_BUDGET * baseline.peak_bytes:
+            small = len(problem.ops) <= INTERVAL_MODEL_MAX_OPS
+            if small and budget_bytes is not None and budget_bytes < TIGHT_BUDGET * baseline.peak_bytes:
                 # tight: the segment search from the program as captured first (whole-program models
                 # tend to recompute the chain between blocks there)
                 line.note("planning block by block")
@@ -170,7 +174,7 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 cut = cut or cut_late
             if offload:
                 line.note("mixing offload and recomputation")
-                best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + 0.8 * time_limit_s)
+                best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + SEARCH_SHARE * time_limit_s)
                 if best is not None:
                     _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
@@ -388,6 +392,15 @@ def _step_profile(problem: Problem, fw_order: list[int], bw_order: list[int], bu
     return run
 
 
+def _faster_fit(problem: Problem, fw: list[int], bw: list[int], a, b) -> bool:
+    """Whether relaxation result `a` is a better start than `b`: it fits and `b` does not, or both fit and it
+    is faster, or neither fits and its peak is lower (the greedy repair has less to do)."""
+    if a.fits != b.fits:
+        return a.fits
+    sa, sb = (simulate(problem, place_recomputes(problem, fw, bw, x.recompute)) for x in (a, b))
+    return sa.time_s < sb.time_s if a.fits else sa.peak_bytes < sb.peak_bytes
+
+
 def _solve_training_scalable(
     problem: Problem, budget: int | None, time_limit_s: float, workers: int, line: ProgressLine
 ) -> tuple[Schedule | None, SolveStats, Schedule]:
@@ -400,12 +413,25 @@ def _solve_training_scalable(
         sched = default_schedule(problem)
         sim = simulate(problem, sched)
         return sched, SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed"), sched
-    res = solve_bound_and_repair(
+    groups = find_groups(problem, fw)
+    ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
+    res = None
+    if ties:  # repeated blocks decide alike first: a model L times smaller to search, solved in seconds
+        line.note(f"relaxation + repair, {len(groups.blocks)} blocks deciding alike")
+        res = solve_bound_and_repair(
+            problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+            time_limit_s=0.3 * time_limit_s, workers=workers, ties=ties, gap_s=GAP_TARGET * base_s,
+        )
+    # then each block on its own, from the tied plan: kept when it fits and is faster
+    untied = solve_bound_and_repair(
         problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
-        time_limit_s=0.6 * time_limit_s, workers=workers,
+        time_limit_s=(0.6 if res is None or not res.fits else 0.4) * (deadline - clock.now()), workers=workers,
+        hint=set(res.recompute) if res is not None else None,
         on_solution=lambda obj, bound: line.update(base_s + obj, base_s + bound),
         gap_s=GAP_TARGET * base_s,
     )
+    if untied is not None and (res is None or _faster_fit(problem, fw, bw, untied, res)):
+        res = untied
     chosen = set(res.recompute) if res is not None else set()
     line.note("repairing with the greedy heuristic")
     sched = greedy_recompute(problem, budget, fw, bw, start=chosen, deadline=deadline)
@@ -415,7 +441,7 @@ def _solve_training_scalable(
         sched = place_recomputes(problem, fw, bw, kept)
     sim = simulate(problem, sched)
     bound = base_s + (res.bound_s if res is not None else 0.0)
-    method = "cp-sat relaxation + repair, program order"
+    method = "cp-sat relaxation + repair, program order" + (", blocks alike" if ties and res is not None and res.bound_s == 0.0 else "")
     if res is not None and set(sim.recomputed_ops) != chosen:
         method += " + greedy"
     stats = SolveStats(
@@ -491,7 +517,7 @@ def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStat
     if time_s > 0.05:
         res = solve_bound_and_repair(
             problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1,
-            gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0,
+            gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0, hint=set(schedule.recomputed(problem)),
         )
     if res is None or res.status in ("UNKNOWN", "MODEL_INVALID", "INFEASIBLE"):
         if res is not None and res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits

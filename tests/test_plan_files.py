@@ -266,7 +266,7 @@ def test_the_plan_cache_folder_is_the_environment_variable_else_the_platform_cac
 MAY_BE_MISSING = {
     "created",
     "made_for.budget_from", "made_for.budget_resolved_bytes", "made_for.budget_reference", "made_for.outputs",
-    "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage",
+    "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage", "summary.bound_valid_for",
     "timeline.unplanned_steps_per_point", "timeline.unplanned_n_steps", "timeline.unplanned_n_forward_steps",
 }
 NAME_KEYED = {"costs", "decisions.offload"}  # objects keyed by op or tensor names, not by field names

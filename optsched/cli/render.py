@@ -118,7 +118,8 @@ def show_rows(data: dict) -> list[tuple[str, str]]:
                     "roofline": "roofline (the profile's cost model)"}.get(s["timing"], str(s["timing"]))),
         ("solver status", str(s["solver_status"])),
         ("gap", fmt_pct(s["gap"])),
-        ("objective / bound", f"{fmt_time(s['objective_s'])} / {fmt_time(s['bound_s'])}"),
+        ("objective / bound", f"{fmt_time(s['objective_s'])} / {fmt_time(s['bound_s'])}"
+         + (f" (bound over {s['bound_valid_for']})" if s.get("bound_valid_for") else "")),
         ("solve time", f"{s['solve_time_s']:.2f} s"),
         ("method", str(s["method"])),
     ]

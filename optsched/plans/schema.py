@@ -139,6 +139,7 @@ class Summary:
     budget_from: str | None = None
     budget_reference_peak_bytes: int | None = None
     output_usage: str | None = None
+    bound_valid_for: str | None = None  # written since issue 14
 
 
 @dataclass(frozen=True, kw_only=True)

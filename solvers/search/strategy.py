@@ -322,7 +322,7 @@ def _heuristic_stats(problem: Problem, sim: SimResult, method: str) -> SolveStat
     bound = sum(o.time_s for o in problem.ops)
     gap = max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s else 0.0
     status = "OPTIMAL" if sim.time_s <= bound else "HEURISTIC"  # nothing recomputed: nothing faster exists
-    return SolveStats(status, sim.time_s, bound, gap, 0.0, method)
+    return SolveStats(status, sim.time_s, bound, gap, 0.0, method, ["bound: every plan (each op once)"])
 
 
 def _min_peak_candidate(
@@ -412,7 +412,9 @@ def _solve_training_scalable(
     if budget is None:
         sched = default_schedule(problem)
         sim = simulate(problem, sched)
-        return sched, SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed"), sched
+        stats = SolveStats("OPTIMAL", sim.time_s, sim.time_s, 0.0, 0.0, "no recomputation needed",
+                           ["bound: every plan (each op once)"])
+        return sched, stats, sched
     groups = find_groups(problem, fw)
     ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
     res = None
@@ -523,15 +525,15 @@ def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStat
         if res is not None and res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits
             stats.notes.append("relaxation found no plan in this order (a modelling bug)")
         _set_bound(stats, base_s)
-        stats.notes.append("bound: every op once, over every plan (the relaxation did not finish)")
+        stats.notes.append("bound: every plan (each op once; the relaxation did not finish)")
         return
     if base_s + res.bound_s > stats.objective_s * (1 + 1e-9):  # above a plan that fits: the relaxation is wrong here
         _set_bound(stats, base_s)
-        stats.notes.append("bound: every op once, over every plan (the relaxation's was above this plan: a modelling bug)")
+        stats.notes.append("bound: every plan (each op once; the relaxation's was above this plan: a modelling bug)")
         return
     _set_bound(stats, base_s + res.bound_s)
     space = "save/recompute/offload" if problem.host_bw > 0 else "save/recompute"
-    stats.notes.append(f"bound: relaxation over every {space} plan in this op order")
+    stats.notes.append(f"bound: every {space} plan in this op order (relaxation)")
 
 
 def _set_bound(stats: SolveStats, bound_s: float) -> None:

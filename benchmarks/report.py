@@ -441,11 +441,26 @@ def tight_zoo_table(runs: dict, labels: list[str]) -> str:
 def tight_tables(d: dict) -> str:
     runs = d.get("runs", {})
     labels = _labels(runs)
-    commits = "; ".join(f"{k}: {runs[k].get('git', {}).get('short', '?')}"
-                        + (" + uncommitted core changes" if runs[k].get("git", {}).get("core_changes_uncommitted") else "")
-                        + f", {runs[k].get('date', '')[:10]}" for k in labels)
-    parts = [f"Runs: {commits}.", tight_gpt_table(runs, labels), tight_zoo_table(runs, labels)]
+
+    def commit(k: str) -> str:
+        run = runs[k]
+        by_part = {part: run[part]["git"] for part in ("gpt", "zoo") if run.get(part, {}).get("git")}
+        if len({_git_text(g) for g in by_part.values()}) > 1:  # the parts ran on different commits
+            return ", ".join(f"{part} on {_git_text(g)}" for part, g in by_part.items())
+        return _git_text(next(iter(by_part.values()), run.get("git", {})))
+
+    commits = "; ".join(f"{k}: {commit(k)}, {runs[k].get('date', '')[:10]}" for k in labels)
+    parts = [f"Runs: {commits}.", tight_gpt_table(runs, labels), tight_zoo_table(runs, labels), _notes(runs, labels)]
     return "\n\n".join(p for p in parts if p)
+
+
+def _git_text(git: dict) -> str:
+    return git.get("short", "?") + (" + uncommitted core changes" if git.get("core_changes_uncommitted") else "")
+
+
+def _notes(runs: dict, labels: list[str]) -> str:
+    """A run's ``notes`` (a list of strings in its JSON, written by hand: what the table cannot say)."""
+    return "\n".join(f"- {k}: {n}" for k in labels for n in runs[k].get("notes", []))
 
 
 def scaling_llama_table(d: dict) -> str:
@@ -455,25 +470,29 @@ def scaling_llama_table(d: dict) -> str:
     for k in _labels(runs):
         run = runs[k]
         c = run["config"]
-        lines = [f"{k} ({run.get('git', {}).get('short', '?')}, {run.get('date', '')[:10]}): {c['describe']}; each plan "
+        row_commits = sorted({_git_text(r["git"]) for r in run["rows"] if r.get("git")})
+        commit = ", ".join(row_commits) if row_commits else _git_text(run.get("git", {}))
+        lines = [f"{k} ({commit}, {run.get('date', '')[:10]}): {c['describe']}; each plan "
                  f"in its own process, wall-clock limit {c['timeout_s']:.0f} s.", "",
-                 "| layers | budget | ops | plan s | s / layer | status | gap | predicted / unplanned | unplanned peak "
-                 "| lower bound | est. time vs unplanned |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| layers | budget | ops | plan s | s / layer | capture s | status | gap | predicted / unplanned "
+                 "| unplanned peak | lower bound | est. time vs unplanned |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             head = f"| {r['layers']} | {r['fraction']:.0%} |"
+            capture = "" if r.get("capture_s") is None else f"{r['capture_s']:.1f}"
             if r.get("timed_out"):
-                lines.append(f"{head} | over {r['timeout_s']:.0f} (stopped) | | timed out | | | | | |")
+                lines.append(f"{head} | over {r['timeout_s']:.0f} (stopped) | | | timed out | | | | | |")
             elif r.get("skipped"):
-                lines.append(f"{head} | not run ({r['skipped']}) | | | | | | | |")
+                lines.append(f"{head} | not run ({r['skipped']}) | | | | | | | | |")
             elif "error" in r:
-                lines.append(f"{head} | | | fails: {r['error'][:80]} | | | | | |")
+                lines.append(f"{head} | | | | fails: {r['error'][:80]} | | | | | |")
             elif r.get("infeasible"):
-                lines.append(f"{head} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | infeasible | | lowest "
+                lines.append(f"{head} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | {capture} | infeasible | | lowest "
                              f"{r['lowest_peak_bytes'] / r['unplanned_peak_bytes']:.1%} | {r['unplanned_peak_bytes'] / gib:.2f} GiB "
                              f"| {r['lower_bound_bytes'] / gib:.2f} GiB | |")
             else:
-                lines.append(f"{head} {r['n_ops']} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | {r['solver_status']} | "
+                lines.append(f"{head} {r['n_ops']} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | {capture} | "
+                             f"{r['solver_status']} | "
                              f"{r['gap']:.2%} | {r['predicted_peak_bytes'] / r['unplanned_peak_bytes']:.1%} | "
                              f"{r['unplanned_peak_bytes'] / gib:.2f} GiB | {r['lower_bound_bytes'] / gib:.2f} GiB | "
                              f"{r['time_ratio']:.3f}x |")
@@ -482,6 +501,8 @@ def scaling_llama_table(d: dict) -> str:
                           f"(least squares over {', '.join(map(str, lin['layers']))} layers); seconds per layer grow "
                           f"{lin['s_per_layer_growth']:.2f}x from {lin['layers'][0]} to {lin['layers'][-1]} layers: "
                           + ("roughly linear." if lin["roughly_linear"] else "not linear.")]
+        if run.get("notes"):
+            lines += ["", *(f"- {n}" for n in run["notes"])]
         out.append("\n".join(lines))
     return "\n\n".join(out)
 

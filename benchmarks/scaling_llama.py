@@ -114,7 +114,8 @@ def git_state() -> dict:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        dirty = [line[3:] for line in git("status", "--porcelain", "--", "optsched", "solvers").splitlines()]
+        # porcelain lines are "XY path"; git() strips the output, so the first line may have lost X's space
+        dirty = [line[2:].strip() for line in git("status", "--porcelain", "--", "optsched", "solvers").splitlines()]
         alias = ROOT / "optsched" / "solvers"
         if alias.is_symlink():
             dirty = [f for f in dirty if f.rstrip("/") != "optsched/solvers"]
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r = {"layers": layers, "fraction": frac, "skipped": f"the {timed_out:.0%} plan timed out"}
             else:
                 r = run_one(layers, frac, args)
+                r["git"] = git_state()  # HEAD may move during a long run: each row says what it ran on
                 if r.get("timed_out"):
                     timed_out = frac
             rows.append(r)

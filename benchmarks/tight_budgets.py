@@ -429,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch._dynamo.reset()
         run["gpt"] = run_gpt(args)
         run["gpt"]["total_s"] = time.perf_counter() - t0
+        run["gpt"]["git"] = git  # a label's parts may run on different commits
         merge_run(args.json, label, run)
     if "zoo" in parts:
         t0 = time.perf_counter()
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
             run["zoo"] = {"config": {"size": zoo.SIZE, "vocab": zoo.VOCAB, "width": zoo.WIDTH, "layers": zoo.LAYERS,
                                      "batch": zoo.BATCH, "seq": zoo.SEQ, "budgets": args.zoo_fractions,
                                      "total_s": time.perf_counter() - t0},
-                          "cases": cases}
+                          "git": git, "cases": cases}
             merge_run(args.json, label, run)  # after every case: a run cut short keeps what it did
     print_table(run)
     return run

@@ -174,7 +174,8 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 cut = cut or cut_late
             if offload:
                 line.note("mixing offload and recomputation")
-                best, stats = _with_offloads(problem, budget_bytes, best, stats, lowest, t0 + SEARCH_SHARE * time_limit_s)
+                best, stats, lowest = _with_offloads(problem, budget_bytes, best, stats, lowest,
+                                                     t0 + SEARCH_SHARE * time_limit_s)
                 if best is not None:
                     _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
@@ -482,18 +483,22 @@ def _solve_training_scalable(
 
 def _with_offloads(
     problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float
-) -> tuple[Schedule | None, SolveStats]:
-    """The fastest of the recompute-only plan and plans that offload on top of less recomputation."""
+) -> tuple[Schedule | None, SolveStats, Schedule]:
+    """The fastest of the recompute-only plan and plans that offload on top of less recomputation,
+    and the lowest-peak plan seen (an offloading one may be lower than every recompute-only plan)."""
     start = best if best is not None else lowest
     fw, bw = base_orders(problem, start)
     best_sim = simulate(problem, best) if best is not None else None
+    lowest_peak = simulate(problem, lowest).peak_bytes
     lowest_rc = set(lowest.recomputed(problem)) if lowest is not None else None
     for sched in mix_offload_and_recompute(problem, fw, bw, budget, deadline, lowest_rc):
         sim = simulate(problem, sched)
+        if sim.peak_bytes < lowest_peak:
+            lowest, lowest_peak = sched, sim.peak_bytes
         if _fits(sim, budget) and _better(sim, best_sim):
             best, best_sim = sched, sim
             stats = _heuristic_stats(problem, sim, "recompute plan at a looser budget + greedy offload")
-    return best, stats
+    return best, stats, lowest
 
 
 def _weaken_to_offload_space(problem: Problem, stats: SolveStats) -> None:

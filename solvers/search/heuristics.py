@@ -106,8 +106,8 @@ def greedy_recompute(
     best = place_recomputes(problem, fw_order, bw_order, chosen)
     if budget is None and not chosen:  # no budget: nothing is worth recomputing
         return best
-    best_peak = simulate(problem, best).peak_bytes
     sched, sim = best, simulate(problem, best)
+    best_peak = sim.peak_bytes
     rounds = max_rounds if max_rounds is not None else len(candidates) + 1
     for _ in range(rounds):
         if budget is not None and sim.peak_bytes <= budget:

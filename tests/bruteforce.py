@@ -133,10 +133,13 @@ def recomputable_fw_ops(problem: Problem) -> list[int]:
     return [o.id for o in problem.fw_ops if o.recomputable]
 
 
-def enumerate_plans(problem: Problem, fw_order: list[int], bw_order: list[int], check: bool = True) -> list[Plan]:
-    """Every subset of the recomputable forward ops, placed as the solvers place them, simulated; the
-    independent replay must agree with the simulator on each (`check`). One plan per distinct schedule."""
-    ops = recomputable_fw_ops(problem)
+def enumerate_plans(
+    problem: Problem, fw_order: list[int], bw_order: list[int], check: bool = True, ops: list[int] | None = None
+) -> list[Plan]:
+    """Every subset of `ops` (default: the recomputable forward ops), placed as the solvers place them,
+    simulated; the independent replay must agree with the simulator on each (`check`). One plan per
+    distinct schedule."""
+    ops = recomputable_fw_ops(problem) if ops is None else list(ops)
     seen: dict[tuple[int, ...], Plan] = {}
     for r in range(len(ops) + 1):
         for subset in itertools.combinations(ops, r):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from optsched.solvers.search.heuristics import place_recomputes, recompute_candi
 from optsched.solvers.model.problem import default_schedule
 from optsched.solvers.progress import ProgressLine
 from optsched.solvers.synthetic import chain_training_problem
+from tests.bruteforce import enumerate_plans, min_time_within
 
 from optsched.solvers import solve as solve_mod
 
@@ -34,15 +33,8 @@ def _orders(p):
 
 def _brute_force_best(p, budget):
     """Fastest recompute set in the program order, by enumeration (tiny problems only)."""
-    fw, bw = _orders(p)
-    best = None
-    cands = recompute_candidates(p)
-    for k in range(len(cands) + 1):
-        for subset in itertools.combinations(cands, k):
-            sim = simulate(p, place_recomputes(p, fw, bw, set(subset)))
-            if sim.peak_bytes <= budget and (best is None or sim.time_s < best):
-                best = sim.time_s
-    return best
+    best = min_time_within(enumerate_plans(p, *_orders(p), ops=recompute_candidates(p)), budget)
+    return None if best == float("inf") else best
 
 
 @pytest.mark.parametrize("layers,frac", [(3, 0.8), (4, 0.65), (5, 0.7)])

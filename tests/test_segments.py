@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -11,10 +10,11 @@ import pytest
 from optsched.solvers import BudgetInfeasibleError, Schedule, default_schedule, simulate, solve
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
 from optsched.solvers.search.blocks import find_groups, segments
-from optsched.solvers.search.heuristics import lower_bound_peak, place_recomputes
+from optsched.solvers.search.heuristics import lower_bound_peak
 from optsched.solvers.search.segments import better, improve_by_segments
 from optsched.solvers.search.strategy import PlanningTimeLimitError
 from optsched.solvers.synthetic import chain_training_problem
+from tests.bruteforce import enumerate_plans, min_time_within
 
 KIB = 1024
 
@@ -40,14 +40,9 @@ def test_backward_segments_cover_the_backward_in_runs():
 
 def _brute_force(p, budget: int, free: list[int]) -> float | None:
     """Least step time over every recompute subset of `free`, in the program's order (or None)."""
-    fw, bw = [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
-    best = None
-    for k in range(len(free) + 1):
-        for subset in itertools.combinations(free, k):
-            sim = simulate(p, place_recomputes(p, fw, bw, set(subset)))
-            if sim.peak_bytes <= budget and (best is None or sim.time_s < best):
-                best = sim.time_s
-    return best
+    plans = enumerate_plans(p, [o.id for o in p.fw_ops], [o.id for o in p.bw_ops], ops=free)
+    best = min_time_within(plans, budget)
+    return None if best == float("inf") else best
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -96,7 +96,10 @@ class _SegmentModel:
         self.unit = memory_unit(problem)
         # the segment's steps: fixed ones (everything there now but free ops' recomputations), then one
         # optional recomputation per free op
-        self.fixed = [s for s in sim.steps[a:b] if not (s[1] and s[0] in free_set)]
+        kept = [(k, s) for k, s in enumerate(sim.steps[a:b]) if not (s[1] and s[0] in free_set)]
+        self.fixed = [s for _k, s in kept]
+        self.fixed_offset = [k for k, _s in kept]  # each fixed step's offset in [a, b) now
+        self.owner = {t: o for o in free for t in problem.ops[o].outputs}  # free op output -> its op
         n = self.n = len(self.fixed) + len(free)
         self.pos = [m.NewIntVar(0, n - 1, f"pos{i}") for i in range(n)]
         self.r = {o: m.NewBoolVar(f"recompute[{problem.ops[o].name}]") for o in free}
@@ -139,7 +142,7 @@ class _SegmentModel:
 
     def _tensors(self, free_set: set[int]) -> None:
         p, sim, a, b, m = self.p, self.sim, self.a, self.b, self.m
-        free_out = {t: o for o in self.free for t in p.ops[o].outputs}
+        free_out = self.owner
         producer_at: dict[tuple[int, bool], int] = {}
         for i, (o, rc) in enumerate(self.fixed):
             for t in p.ops[o].outputs:
@@ -148,7 +151,7 @@ class _SegmentModel:
         readers: dict[tuple[int, bool], list[int]] = {}
         free_readers: dict[int, list[int]] = {}  # free op output -> fixed steps reading it
         for i in range(len(self.fixed)):
-            k = a + self.fixed_index_step(i)
+            k = a + self.fixed_offset[i]
             for key in sim.reads[k]:
                 if key[0] in free_out:
                     free_readers.setdefault(key[0], []).append(i)
@@ -221,13 +224,6 @@ class _SegmentModel:
         t = self.p.tensors[key[0]]
         return t.kind is not TensorKind.ACTIVATION or (t.id in self.p.outputs and not key[1])
 
-    def fixed_index_step(self, i: int) -> int:
-        """Offset in [a, b) of fixed step i (the fixed steps keep their relative order in sim.steps)."""
-        if not hasattr(self, "_offsets"):
-            free_set = set(self.free)
-            self._offsets = [k for k, s in enumerate(self.sim.steps[self.a:self.b]) if not (s[1] and s[0] in free_set)]
-        return self._offsets[i]
-
     def _workspace(self) -> None:
         for i, (o, _rc) in enumerate(self.fixed):
             w = self.p.ops[o].workspace_bytes
@@ -244,12 +240,12 @@ class _SegmentModel:
         the largest per distinct set: a saved output lives from its last forward use to the segment."""
         p, sim, a = self.p, self.sim, self.a
         n_fw = sim.n_forward_steps
-        fw_pos = {o: k for k, (o, rc) in enumerate(sim.steps[:n_fw])}
-        last_fw: dict[int, int] = {}
-        for f in self.free:
-            for t in p.ops[f].outputs:
-                readers = [fw_pos[o.id] for o in p.ops if o.phase is Phase.FW and t in o.inputs]
-                last_fw[t] = max([fw_pos[f]] + readers)
+        fw_pos = {o: k for k, (o, _rc) in enumerate(sim.steps[:n_fw])}
+        last_fw = {t: fw_pos[f] for t, f in self.owner.items()}
+        for o, k in fw_pos.items():
+            for t in p.ops[o].inputs:
+                if t in last_fw:
+                    last_fw[t] = max(last_fw[t], k)
         best: dict[tuple[int, ...], int] = {}
         for k in range(a):
             counted = [t for t in last_fw if last_fw[t] < k and sim.spans.get((t, False), (0, -1))[1] >= k]
@@ -261,17 +257,15 @@ class _SegmentModel:
             pattern = tuple(sorted(t for t in last_fw if last_fw[t] < n_fw))
             base = sim.boundary_bytes - sum(p.tensors[t].bytes for t in counted)
             best[pattern] = max(best.get(pattern, 0), base)
-        owner = {t: f for f in self.free for t in p.ops[f].outputs}
-        return [(base, [t for t in pattern]) for pattern, base in best.items() if pattern and owner]
+        return [(base, list(pattern)) for pattern, base in best.items() if pattern]
 
     def outside_expr(self, tensors: list[int]):
-        owner = {t: f for f in self.free for t in self.p.ops[f].outputs}
-        return sum(self.units(self.p.tensors[t].bytes) * self.saved_lit[owner[t]] for t in tensors)
+        return sum(self.units(self.p.tensors[t].bytes) * self.saved_lit[self.owner[t]] for t in tensors)
 
     def hint(self) -> None:
         rc_now = {o: k for k, (o, rc) in enumerate(self.sim.steps[self.a:self.b]) if rc}
         for i in range(len(self.fixed)):
-            self.m.AddHint(self.pos[i], self.fixed_index_step(i))
+            self.m.AddHint(self.pos[i], self.fixed_offset[i])
         for f in self.free:
             self.m.AddHint(self.r[f], f in rc_now)
             self.m.AddHint(self.pos[self.rc_index[f]], rc_now.get(f, 0))
@@ -305,8 +299,8 @@ def replan_segment(
         return None
     model = _SegmentModel(problem, sim, a, b, free)
     m, unit = model.m, model.unit
-    top = sum(model.demands) + model.const_units + max((base for base, _ in model.outside_terms()), default=0) // unit + 1
     outside = model.outside_terms()
+    top = sum(model.demands) + model.const_units + max((base for base, _ in outside), default=0) // unit + 1
     if budget_bytes is not None:
         cap = budget_bytes // unit - model.const_units
         if cap < 0:

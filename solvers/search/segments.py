@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from ..model import clock
 from ..cpsat.segment import free_ops, replan_segment
-from ..model.problem import Phase, Problem, Schedule
-from ..model.simulator import SimResult, simulate
+from ..model.problem import Problem, Schedule
+from ..model.simulator import ScheduleError, SimResult, simulate
 from .blocks import Groups, find_groups, op_signature, segments
 
 SEGMENT_S = 2.0  # the most one segment model may take
@@ -83,7 +83,7 @@ def improve_by_segments(
             if on_step:
                 on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
             if g in groups.block_set:
-                best, bsim = _copy_to_siblings(problem, groups, best, bsim, (a, b, g), state[0], budget)
+                best, bsim = _copy_to_siblings(problem, groups, best, bsim, g, state[0], budget)
             break
         if not improved:
             return best, False
@@ -112,76 +112,67 @@ def _priority(problem: Problem, sim: SimResult, groups: Groups, segs, budget: in
     return [(a, b, g) for t, a, b, g in sorted(rc_time) if t < 0]
 
 
-def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, seg, old_steps, budget):
-    """Apply the change made to one block's segment to every other block's of the same shape."""
-    g = seg[2]
-    # the solved segment in the accepted plan: find it again (its start is unchanged)
+def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, g: int, old_steps, budget):
+    """Apply the change made to block `g`'s segment (whose steps were `old_steps`) to every other
+    block's of the same shape, one at a time, each kept when the simulator says it is better."""
     segs_now = {s[2]: s for s in segments(problem, sim, groups)}
     if g not in segs_now:
         return sched, sim
-    a2, b2, _ = segs_now[g]
-    solved = sim.steps[a2:b2]
-    src = groups.members[g]
-    index_fw = {o: i for i, o in enumerate(src)}
+    steps = sim.steps  # segment positions refer to this plan; later copies are found by content (_replace)
+    a, b, _ = segs_now[g]
+    solved = steps[a:b]
     old_index = {s: i for i, s in enumerate(old_steps)}
-    cand_sched, cand_sim = sched, sim
-    changed = False
     for h in groups.blocks:
         if h == g or h not in segs_now:
             continue
         ha, hb, _ = segs_now[h]
-        target_old = sim.steps[ha:hb]
-        mapping = _match(problem, old_steps, target_old, src, groups.members[h])
-        if mapping is None:
+        target_old = steps[ha:hb]
+        if not _same_shape(problem, old_steps, target_old):
             continue
-        fw_map = {o: groups.members[h][i] for o, i in index_fw.items()}
-        mapped = []
-        for o, rc in solved:
-            if rc:
-                if o not in fw_map:
-                    mapping = None
-                    break
-                mapped.append((fw_map[o], True))
-            elif (o, rc) in old_index:
-                mapped.append(mapping[old_index[(o, rc)]])
-            else:
-                mapping = None
-                break
-        if mapping is None:
-            continue
-        # steps of h's old segment recomputing ops the solved segment no longer recomputes are dropped
-        trial = _replace(problem, cand_sim, target_old, mapped)
+        fw_map = dict(zip(groups.members[g], groups.members[h]))
+        mapped = _translate(solved, old_index, target_old, fw_map)
+        trial = None if mapped is None else _replace(sim, target_old, mapped)
         if trial is None:
             continue
         try:
             tsim = simulate(problem, trial)
-        except ValueError:
+        except ScheduleError:
             continue
-        if better(tsim, cand_sim, budget):
-            cand_sched, cand_sim, changed = trial, tsim, True
-    return (cand_sched, cand_sim) if changed else (sched, sim)
+        if better(tsim, sim, budget):
+            sched, sim = trial, tsim
+    return sched, sim
 
 
-def _match(problem: Problem, src_steps, dst_steps, src_fw, dst_fw) -> list | None:
-    """dst's steps in src's order, when the two segments are the same sequence of op shapes."""
-    if len(src_steps) != len(dst_steps) or len(src_fw) != len(dst_fw):
-        return None
-    for (o1, r1), (o2, r2) in zip(src_steps, dst_steps):
-        if r1 != r2 or op_signature(problem, o1) != op_signature(problem, o2):
+def _same_shape(problem: Problem, src_steps, dst_steps) -> bool:
+    """Whether two segments are the same sequence of op shapes (recomputations at the same places)."""
+    return len(src_steps) == len(dst_steps) and all(
+        r1 == r2 and op_signature(problem, o1) == op_signature(problem, o2)
+        for (o1, r1), (o2, r2) in zip(src_steps, dst_steps)
+    )
+
+
+def _translate(solved, old_index: dict, target_old: list, fw_map: dict) -> list | None:
+    """The solved segment's steps as the other block's: its recomputations through `fw_map`, its other
+    steps through their place in the old segment. None when a step has no counterpart."""
+    out = []
+    for o, rc in solved:
+        if rc and o in fw_map:
+            out.append((fw_map[o], True))
+        elif not rc and (o, rc) in old_index:
+            out.append(target_old[old_index[(o, rc)]])
+        else:
             return None
-    return list(dst_steps)
+    return out
 
 
-def _replace(problem: Problem, sim: SimResult, old: list, new: list) -> Schedule | None:
+def _replace(sim: SimResult, old: list, new: list) -> Schedule | None:
     """The plan with the run of steps `old` (found in its backward) replaced by `new`."""
     n_fw = sim.n_forward_steps
     steps = sim.steps
     for k in range(n_fw, len(steps) - len(old) + 1):
         if steps[k:k + len(old)] == old:
             bw = steps[n_fw:k] + new + steps[k + len(old):]
-            if len({s for s in bw}) != len(bw):
-                return None
-            if any(problem.ops[o].phase is Phase.FW and not rc for o, rc in bw):
+            if len(set(bw)) != len(bw):
                 return None
             return Schedule([o for o, _ in steps[:n_fw]], [o for o, _ in bw])
     return None

@@ -280,13 +280,7 @@ def run_gpt(args) -> dict:
                       "seq": cfg.block_size, "vocab": cfg.vocab_size},
            "eager": eager, "rows": [], "lowest": []}
     for offload in (False, True):
-        rows = []
-        for frac in args.gpt_fractions:
-            budget = int(frac * eager["measured_peak_bytes"])
-            row = run_budget(step, eager, grads, budget, offload, args.time_limit, args.repeat)
-            row["fraction"] = frac
-            print(f"  offload={offload!s:<5} {frac:.0%} ({budget / MIB:.2f} MiB): {_short(row)}", flush=True)
-            rows.append(row)
+        rows = run_fractions(step, eager, grads, args.gpt_fractions, offload, args, label=f"offload={offload!s:<5} ")
         out["rows"] += rows
         if args.probes > 0:
             print(f"  offload={offload}: lowest feasible", flush=True)
@@ -294,6 +288,18 @@ def run_gpt(args) -> dict:
             print(f"  offload={offload!s:<5} lowest: {_lowest_short(low)}", flush=True)
             out["lowest"].append(low)
     return out
+
+
+def run_fractions(step, eager: dict, grads, fractions, offload: bool, args, label: str = "") -> list[dict]:
+    """One row per budget, a fraction of eager's measured peak each, printed as it comes."""
+    rows = []
+    for frac in fractions:
+        budget = int(frac * eager["measured_peak_bytes"])
+        row = run_budget(step, eager, grads, budget, offload, args.time_limit, args.repeat)
+        row["fraction"] = frac
+        print(f"  {label}{frac:.0%} ({budget / MIB:.2f} MiB): {_short(row)}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def run_zoo_case(name: str, args) -> dict:
@@ -310,13 +316,7 @@ def run_zoo_case(name: str, args) -> dict:
         return res
     res["eager"] = eager
     print(f"{name}: {case.model} [{case.pattern}], eager peak {eager['measured_peak_bytes'] / MIB:.2f} MiB", flush=True)
-    rows = []
-    for frac in args.zoo_fractions:
-        budget = int(frac * eager["measured_peak_bytes"])
-        row = run_budget(step, eager, grads, budget, False, args.time_limit, args.repeat)
-        row["fraction"] = frac
-        print(f"  {frac:.0%} ({budget / MIB:.2f} MiB): {_short(row)}", flush=True)
-        rows.append(row)
+    rows = run_fractions(step, eager, grads, args.zoo_fractions, False, args)
     res["rows"] = rows
     if args.probes > 0:
         res["lowest"] = lowest_feasible(step, eager, grads, False, rows, args.time_limit, args.repeat, args.probes)

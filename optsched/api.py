@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import os
+import sys
 import types
 import weakref
 from collections import OrderedDict
@@ -276,9 +277,20 @@ def _install(module: torch.nn.Module, settings: PlanningSettings, resolution: Bu
 def _rebuild_module(cls: type, spec: _CopySpec) -> torch.nn.Module:
     """A copy of an optimized module, before copy/pickle sets its state: optimized with the original's
     settings and resolved budget; it replays the original's plans for the programs they were made for."""
-    module = cls.__new__(cls)
+    module = object.__new__(cls)  # not cls.__new__: FSDP2's classes construct the original class there (see _shallow_copy)
     _install(module, spec.settings, spec.resolution.copy(), spec.carried)
     return module
+
+
+def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """copy.copy(module) (shares parameters, buffers and submodules) without calling the class's `__new__`:
+    FSDP2 (`fully_shard`) gives a module a class whose `__new__` builds the original class by calling its
+    `__init__` with no arguments. An optimized module is copied as copy.copy copies it (its plans carried)."""
+    if "__reduce_ex__" in module.__dict__:
+        return copy.copy(module)
+    new = object.__new__(type(module))
+    new.__setstate__(module.__getstate__())
+    return new
 
 
 class OptimizedFunction:
@@ -316,6 +328,7 @@ def optimize(
     plan: str | os.PathLike | None = None,
     on_mismatch: str = "error",
     deterministic: bool | None = None,
+    chunking: bool | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -360,6 +373,11 @@ def optimize(
     takes longer than time_limit_s). None (default) and True: on. False: CP-SAT races
     min(8, cores) workers against the wall clock (on many cores it may find better plans in the
     time; two runs may differ).
+    chunking: an LM head + cross-entropy in the training step (a matmul into a vocabulary, log-softmax,
+    nll loss) may run in token chunks (1, 2, 4, ..., 64), each chunk's loss and gradients computed at
+    once, so only one chunk's logits exist; the planner picks the count (the fastest plan within the
+    budget; 1, the captured graph, unless more chunks are faster or needed). None (default) and True:
+    on. False: the graph as captured. `plan.summary()["chunks"]` says what was chosen.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):
@@ -375,14 +393,51 @@ def optimize(
     if deterministic not in (None, True, False):
         raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
     settings = PlanningSettings(
-        budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic
+        budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic,
+        chunking,
     )
     if isinstance(fn_or_module, torch.nn.Module):
-        target = copy.copy(fn_or_module)  # shares parameters, buffers and submodules
+        _refuse_fsdp(fn_or_module)
+        target = _shallow_copy(fn_or_module)  # shares parameters, buffers and submodules
         _install(target, settings, BudgetResolution(budget))
     else:
         target = OptimizedFunction(fn_or_module, Dispatcher(settings, BudgetResolution(budget), fn=fn_or_module))
 
+    if example_inputs is not None:
+        _plan_now(target, tuple(example_inputs))
+    return target
+
+
+def _refuse_fsdp(module: torch.nn.Module) -> None:
+    """A module sharded by FSDP2 runs all-gathers and reduce-scatters in hooks torch.compile does not trace
+    (as one graph): its blocks are optimized before sharding instead (optsched.distributed.optimize_fsdp)."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in module.modules()):
+        raise TypeError(
+            f"optimize() got a module sharded by FSDP2 (fully_shard): {type(module).__name__}. Its all-gathers run in "
+            "hooks that cannot be captured in one graph. Plan the unsharded model's blocks and shard them with "
+            "optsched.distributed.optimize_fsdp(model, mem_budget, example_inputs=...) (see docs/distributed.md)"
+        )
+
+
+def optimized_spec(optimized: Any) -> _CopySpec:
+    """What an optimized module or function is optimized with: its settings, its budget as resolved so far and
+    its plans (sealed plan-file JSON), as copies of it carry them; picklable. `optimize_like` applies it."""
+    dispatcher = optimized._call if isinstance(optimized, OptimizedFunction) else optimized.__dict__.get("_compiled_call_impl")
+    if not isinstance(dispatcher, Dispatcher):
+        raise TypeError(f"not an optimized module or function: {type(optimized).__name__}")
+    return dispatcher.copy_spec()
+
+
+def optimize_like(fn_or_module: Callable | torch.nn.Module, spec: _CopySpec, example_inputs: tuple | list | None = None) -> Any:
+    """`fn_or_module` optimized with `spec` (from `optimized_spec`): the same settings and resolved budget, and its
+    plans replayed (by fingerprint, as a plan file is) instead of solved. Plans now when `example_inputs` are given."""
+    if isinstance(fn_or_module, torch.nn.Module):
+        _refuse_fsdp(fn_or_module)
+        target = _shallow_copy(fn_or_module)
+        _install(target, spec.settings, spec.resolution.copy(), spec.carried)
+    else:
+        target = OptimizedFunction(fn_or_module, Dispatcher(spec.settings, spec.resolution.copy(), spec.carried, fn=fn_or_module))
     if example_inputs is not None:
         _plan_now(target, tuple(example_inputs))
     return target

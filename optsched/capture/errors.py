@@ -189,12 +189,20 @@ def _classify(e: BaseException, line: str) -> tuple[str, str]:
     return gb or type(e).__name__, _GENERIC_FIX
 
 
+_FSDP_DIR = "torch/distributed/fsdp/"
+_FSDP_FIX = ("optimize the blocks before sharding them, with the per-rank budget counting the shards: "
+             "optsched.distributed.optimize_fsdp(model, mem_budget, example_inputs=...) applies fully_shard itself "
+             "(see docs/distributed.md)")
+
+
 def from_dynamo(e: BaseException) -> CaptureError:
     """A CaptureError for a Dynamo graph break (Unsupported, UserError): where, what, how to fix it."""
     frames = _user_frames(e)
     where = frames[-1] if frames else None
     line = (where.line or "").strip() if where is not None else ""
     construct, fix = _classify(e, line)
+    if any(_FSDP_DIR in f.filename.replace(os.sep, "/") for f in frames):
+        construct, fix = "FSDP2's all-gather and reduce-scatter hooks (fully_shard applied to an optimized module)", _FSDP_FIX
     reason = _reason(e)
     head = "optsched cannot capture the step as one graph"
     at = f"{where.filename}:{where.lineno} in {where.name}" if where is not None else "an unknown place"

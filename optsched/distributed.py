@@ -1,0 +1,528 @@
+"""One plan for every rank: optsched under torch.distributed (DDP and FSDP2).
+
+- `optimize(model, mem_budget, example_inputs=...)`: `optsched.optimize` for data parallelism (wrap the result
+  in DistributedDataParallel). One rank (`src`, default 0) plans; its plans (plan-file JSON, with the op costs it
+  measured) are broadcast and every other rank replays them without solving, so every rank runs the same program
+  (`plan_digest` equal). A failure on any rank is raised on every rank, with the same type and message.
+- `optimize_fsdp(model, mem_budget, example_inputs=...)`: FSDP2 as torchtitan applies it (`fully_shard` per
+  block, then the root), with `mem_budget` per rank. The blocks are planned unsharded on `src` and sharded
+  afterwards: each block's forward runs as one planned program between FSDP2's hooks (its all-gather before,
+  its reduce-scatter after), which stay eager. The per-rank budget counts this rank's parameter and gradient
+  shards, the all-gathered parameters of the running block and the one prefetched, the all-gather and
+  reduce-scatter buffers, the root's activations and every block's saved activations (`FSDPMemory`).
+
+All ranks must call these functions together (they are collectives). See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .budget import parse_budget
+from .costs.measure import measure_peak
+from .plans.plan import Plan
+from .solvers import BudgetInfeasibleError, TensorKind, solve
+
+__all__ = ["FSDPMemory", "FSDPPlan", "optimize", "optimize_fsdp", "plan_digest"]
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# one outcome for every rank
+
+
+def plan_digest(plan: Plan) -> str:
+    """A plan's identity across ranks: its graph's fingerprint and its decisions (orders, recomputations,
+    offloads, fusion groups). Equal digests: the same program runs."""
+    d = plan.to_file_data()
+    text = json.dumps([d["fingerprint"]["hash"], d["decisions"]], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _portable(e: BaseException) -> tuple:
+    """An exception as it can cross to other ranks: its class, args and attributes (BudgetInfeasibleError's
+    constructor does not take its message back, so pickle's default would fail), or its text."""
+    try:
+        blob = pickle.dumps((type(e), e.args, dict(e.__dict__)))
+        pickle.loads(blob)
+        return ("exact", blob)
+    except Exception:  # noqa: BLE001 - anything that does not survive pickling goes as text
+        return ("text", f"{type(e).__name__}: {e}")
+
+
+def _rebuilt(portable: tuple, rank: int) -> BaseException:
+    kind, value = portable
+    if kind == "exact":
+        cls, args, attrs = pickle.loads(value)
+        e = cls.__new__(cls)
+        e.args = args
+        e.__dict__.update(attrs)
+    else:
+        e = RuntimeError(value)
+    e.rank = rank  # type: ignore[attr-defined]
+    return e
+
+
+def _raise_as_everywhere(local: BaseException | None, portable: tuple, rank: int):
+    """Raise what every rank raises for rank `rank`'s failure: the exception itself where it happened when it
+    crosses ranks exactly, else (and on every other rank) its rebuilt form."""
+    if local is not None and portable[0] == "exact":
+        local.rank = rank  # type: ignore[attr-defined]
+        raise local
+    raise _rebuilt(portable, rank) from local
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def _one_outcome(group, src: int, planned: Callable[[], Any], replayed: Callable[[Any], Any],
+                 digest: Callable[[Any], str]) -> Any:
+    """Rank `src` runs `planned()` -> (result, payload); the payload (or its failure) is broadcast; every other
+    rank runs `replayed(payload)`. Every rank then learns every rank's failure and digest: a failure anywhere
+    is raised everywhere (the lowest failing rank's, same type and message), and so are differing digests.
+    Two collectives on every path: no rank waits for one that has given up."""
+    rank = _group_rank(group)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    result, local_error, box = None, None, [None]
+    if rank == src:
+        try:
+            result, payload = planned()
+            box[0] = ("ok", payload)
+        except Exception as e:  # noqa: BLE001 - every failure goes to every rank
+            local_error, box[0] = e, ("error", _portable(e))
+    dist.broadcast_object_list(box, src=global_src, group=group)
+    kind, value = box[0]
+    if kind == "error":
+        _raise_as_everywhere(local_error, value, src)
+    if rank != src:
+        try:
+            result = replayed(value)
+        except Exception as e:  # noqa: BLE001
+            local_error = e
+    mine = (None, digest(result)) if local_error is None else (_portable(local_error), None)
+    seen: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seen, mine, group=group)
+    for r, (err, _d) in enumerate(seen):
+        if err is not None:
+            _raise_as_everywhere(local_error if r == rank else None, err, r)
+    digests = [d for _e, d in seen]
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"ranks planned different programs (plan digests by rank: {digests}); the graphs differ "
+                           "between ranks (different shapes or code), so no one plan fits them all")
+    return result
+
+
+def _check_options(options: dict) -> None:
+    if "plan" in options and options["plan"] == "auto":
+        raise ValueError("plan='auto' is per machine; under torch.distributed pass a path (rank src reads or writes it) or None")
+
+
+# ---------------------------------------------------------------------------------------------
+# data parallelism
+
+
+def optimize(fn_or_module, mem_budget=None, *, example_inputs: tuple | list, group=None, src: int = 0, **options):
+    """`optsched.optimize` with one plan for every rank of `group` (default: the world), for DDP.
+
+    Rank `src` plans on `example_inputs` (measuring op costs there, or from `device_profile`; with `plan=PATH`
+    it reads or writes that plan file); every other rank receives its plans and replays them without solving.
+    Collective: every rank calls it with the same arguments (its own `example_inputs` of the same shapes).
+    A failure (BudgetInfeasibleError, CaptureError, ...) on any rank is raised on every rank with the same
+    type and message, and `.rank` the rank it came from. Programs with other input signatures planned later
+    (at their first call) are planned on each rank by itself: plan them here too, or give a `device_profile`
+    so that every rank's costs, and so its plans, are the same.
+
+    Returns what `optsched.optimize` returns; `plan_digest(result.plan)` is equal on every rank."""
+    _check_options(options)
+    example_inputs = tuple(example_inputs)
+
+    def planned():
+        target = api.optimize(fn_or_module, mem_budget, example_inputs=example_inputs, **options)
+        return target, api.optimized_spec(target)
+
+    def replayed(spec):
+        return api.optimize_like(fn_or_module, spec, example_inputs)
+
+    return _one_outcome(group, src, planned, replayed, lambda t: plan_digest(t.plan))
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2
+
+
+def _shard_bytes(p: torch.Tensor, world: int) -> int:
+    """Bytes of one rank's FSDP2 shard of `p`: dim 0 split in `world` chunks, padded to equal size."""
+    if p.dim() == 0:
+        return p.element_size()
+    rows = math.ceil(p.shape[0] / world)
+    return rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+
+
+@dataclass
+class FSDPMemory:
+    """What optimize_fsdp counts on one rank at its peak (bytes). An upper bound: terms that never coincide
+    (the all-gather buffer and the reduce-scatter buffers) are added all the same.
+
+    `total` = the fixed terms + (n_blocks - 1) blocks' saved activations + the running block's planned peak
+    (its all-gathered parameters, its input, its activations and its unsharded gradients)."""
+
+    world: int
+    n_blocks: int
+    sharded_params: int  # this rank's shard of every parameter (dim 0 padded, as FSDP2 shards)
+    sharded_grads: int  # the same size: reduce-scatter outputs, held to the end of the step
+    root_params: int  # the root's own parameters, all-gathered for the whole step (FSDP2 keeps the root's)
+    root_grads: int  # the root's unsharded gradients: its reduce-scatter runs after the whole backward
+    gather_buffer: int  # one block's flat all-gather output, while it is copied into the parameters
+    prefetch: int  # the next block's all-gathered parameters (FSDP2 prefetches one block in the backward)
+    reduce_scatter: int  # one block's flat reduce-scatter input (full size) and output (a shard)
+    root_activations: int  # the root's own activations (embedding, head, loss), measured with stub blocks
+    saved_per_block: int = 0  # a block's activations kept from its forward to its backward (its plan's)
+    block_peak: int = 0  # the running block's planned peak
+
+    @property
+    def fixed(self) -> int:
+        return (self.sharded_params + self.sharded_grads + self.root_params + self.root_grads + self.gather_buffer
+                + self.prefetch + self.reduce_scatter + self.root_activations)
+
+    @property
+    def total(self) -> int:
+        return self.fixed + (self.n_blocks - 1) * self.saved_per_block + self.block_peak
+
+    def with_block(self, block_peak: int, saved: int) -> FSDPMemory:
+        return dataclasses.replace(self, block_peak=block_peak, saved_per_block=saved)
+
+    def describe(self) -> str:
+        parts = [f"{k} {getattr(self, k) / MiB:.2f}" for k in (
+            "sharded_params", "sharded_grads", "root_params", "root_grads", "gather_buffer", "prefetch",
+            "reduce_scatter", "root_activations")]
+        return (f"per rank (MiB): {', '.join(parts)}, {self.n_blocks - 1} x saved_per_block "
+                f"{self.saved_per_block / MiB:.2f}, block_peak {self.block_peak / MiB:.2f}: total {self.total / MiB:.2f}")
+
+
+def fsdp_memory(params_by_block: list[list[torch.Tensor]], root_params: list[torch.Tensor], world: int,
+                root_activations: int) -> FSDPMemory:
+    """The fixed per-rank terms for blocks with these parameters (each list one block's) and the root's own."""
+    def full(ps):
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    def shard(ps):
+        return sum(_shard_bytes(p, world) for p in ps)
+
+    everything = [p for ps in params_by_block for p in ps] + list(root_params)
+    block_full = max((world * shard(ps) for ps in params_by_block), default=0)  # flat, padded
+    block_shard = max((shard(ps) for ps in params_by_block), default=0)
+    return FSDPMemory(
+        world=world, n_blocks=len(params_by_block), sharded_params=shard(everything), sharded_grads=shard(everything),
+        root_params=full(root_params), root_grads=full(root_params), gather_buffer=block_full,
+        prefetch=max((full(ps) for ps in params_by_block), default=0), reduce_scatter=block_full + block_shard,
+        root_activations=root_activations,
+    )
+
+
+def saved_bytes(problem, sim, argument_bytes: int = 0) -> int:
+    """Device bytes a block's plan keeps from its forward to its backward: its saved activations (offloaded ones
+    are on the host) and its tensor arguments (`argument_bytes`: the block's input, alive while it is saved)."""
+    kept = sum(problem.tensors[t].bytes for t in sim.saved
+               if problem.tensors[t].kind != TensorKind.INPUT and t not in sim.offloads)
+    return kept + argument_bytes
+
+
+def _tensor_bytes(args: tuple, kwargs: dict) -> int:
+    return sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+
+
+@dataclass
+class FSDPPlan:
+    """optimize_fsdp's outcome on this rank: the per-rank accounting, the block budget it chose, the block plan
+    (every block runs it) and its digest (equal on every rank). Set as `model.plan`."""
+
+    budget_bytes: int | None
+    block_budget_bytes: int | None
+    memory: FSDPMemory
+    block_plan: Plan | None
+    digest: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.memory.total
+
+    def __repr__(self) -> str:
+        b = "none" if self.budget_bytes is None else f"{self.budget_bytes / MiB:.2f} MiB"
+        return (f"FSDPPlan(per rank: predicted {self.memory.total / MiB:.2f} MiB, budget {b}; "
+                f"{self.memory.n_blocks} blocks, block budget "
+                f"{'none' if self.block_budget_bytes is None else f'{self.block_budget_bytes / MiB:.2f} MiB'}, "
+                f"block plan {self.block_plan})")
+
+
+class _Recorded(Exception):
+    pass
+
+
+def _record_block_inputs(model: torch.nn.Module, block: torch.nn.Module, example_inputs: tuple) -> tuple[tuple, dict]:
+    """The first block's arguments on `example_inputs` (a forward stopped there): detached copies that keep
+    requires_grad, so the block is planned for what it is called with."""
+    seen: dict = {}
+
+    def hook(_m, args, kwargs):
+        def keep(x):
+            return x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        seen["args"] = tuple(keep(a) for a in args)
+        seen["kwargs"] = {k: keep(v) for k, v in kwargs.items()}
+        raise _Recorded
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.random.fork_rng():
+            model(*example_inputs)
+    except _Recorded:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise ValueError("optimize_fsdp: the model's forward on example_inputs never called the first block")
+    return seen["args"], seen["kwargs"]
+
+
+class _PassThrough(torch.autograd.Function):
+    """A block stood in for: its output as computed without gradients, and the output's gradient handed to its
+    input in the backward (memory like the root's own computation around blocks that save nothing)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.x_shape = x.shape
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if g.shape == ctx.x_shape else g.new_zeros(ctx.x_shape)), None
+
+
+def _loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().sum()
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return sum(t.float().sum() for t in leaves)
+
+
+def measure_root_activations(model, blocks, example_inputs: tuple, root_params: list[torch.Tensor]) -> int:
+    """Peak bytes of the root's own computation in one forward+backward with every block stood in for by
+    `_PassThrough` (so the blocks save nothing and their parameters get no gradients), less the root's
+    gradients (counted apart). A non-scalar output is summed, as a stand-in for the caller's loss."""
+    originals = []
+    for b in blocks:
+        fwd = b.forward
+
+        def stub(*args, _fwd=fwd, **kwargs):
+            with torch.no_grad():
+                y = _fwd(*args, **kwargs)
+            x = args[0]
+            if isinstance(y, torch.Tensor) and isinstance(x, torch.Tensor) and x.requires_grad:
+                return _PassThrough.apply(x, y)
+            return y
+
+        originals.append(b.__dict__.get("forward"))
+        b.forward = stub
+    grads = [p.grad for p in model.parameters()]
+    try:
+        for p in model.parameters():
+            p.grad = None
+
+        def step():
+            _loss_of(model(*example_inputs)).backward()
+
+        with torch.random.fork_rng():
+            peak = measure_peak(step).peak_bytes
+    finally:
+        for b, o in zip(blocks, originals):
+            if o is None:
+                del b.forward
+            else:
+                b.forward = o
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+    return max(0, peak - sum(p.numel() * p.element_size() for p in root_params))
+
+
+def _default_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ModuleList holding the most parameters (a transformer's layers)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError("optimize_fsdp: no nn.ModuleList of blocks in the model; pass blocks=[...]")
+    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
+
+
+def _block_signature(block: torch.nn.Module) -> tuple:
+    return (type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
+
+
+def _choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float):
+    """The largest block budget whose plan keeps the per-rank total within `budget` (a bisection over the
+    block's peak; each candidate solved with the same deterministic solver). Returns (block budget, memory)."""
+    def evaluate(b):
+        try:
+            sol = solve(problem, b, time_limit_s=time_limit_s, deterministic=True)
+        except BudgetInfeasibleError:
+            return None
+        return memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes))
+
+    fastest = evaluate(None)
+    if budget is None or fastest.total <= budget:
+        return None, fastest
+    lowest = None
+    lo, hi, best = 0, fastest.block_peak, None
+    for _ in range(12):
+        if hi - lo <= max(4096, hi // 200):
+            break
+        mid = (lo + hi) // 2
+        m = evaluate(mid)
+        if m is None:
+            lo = mid
+            continue
+        lowest = m if lowest is None or m.total < lowest.total else lowest
+        if m.total <= budget:
+            best, lo = (mid, m), mid
+        else:
+            hi = mid
+    if best is None:
+        floor = lowest or fastest
+        e = BudgetInfeasibleError(budget, floor.total, memory.fixed)
+        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
+                  f"{floor.total / MiB:.2f} MiB ({floor.describe()}); the fixed terms alone are "
+                  f"{memory.fixed / MiB:.2f} MiB",)
+        raise e
+    return best
+
+
+def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tuple | list, blocks=None, mesh=None,
+                  reshard_after_forward: bool = True, group=None, src: int = 0, **options) -> torch.nn.Module:
+    """Plan `model`'s blocks for a per-rank budget and shard it with FSDP2, as torchtitan does: `fully_shard` on
+    every block, then on the root. Returns `model` (sharded in place); `model.plan` is an FSDPPlan.
+
+    mem_budget: peak bytes per rank (an int or a size string such as "40GB"; not a percentage), counting this
+    rank's parameter and gradient shards, the all-gathered parameters of the running block and of the one
+    prefetched, the all-gather and reduce-scatter buffers, the root's activations and every block's saved
+    activations (see FSDPMemory). None: the fastest block plan.
+    example_inputs: the model's inputs (this rank's batch). Rank `src` runs the model on them: up to the first
+    block (to record its inputs) and once with the blocks stood in for (to measure the root's activations).
+    blocks: the modules to shard and plan (default: the nn.ModuleList holding the most parameters); they must
+    be alike (same class and parameter shapes), as a transformer's layers are.
+    mesh, reshard_after_forward: passed to fully_shard. group: the process group the plan is shared in (default:
+    the mesh's, else the world). Other options are optsched.optimize's.
+
+    Collective: every rank calls it. Rank `src` plans the first block (unsharded) for the block budget that
+    keeps the per-rank total within mem_budget, and broadcasts the plan; every rank's blocks replay it."""
+    from torch.distributed.fsdp import fully_shard
+
+    _check_options(options)
+    budget = parse_budget(mem_budget, of="a rank's memory")
+    if budget.fraction is not None:
+        raise ValueError("optimize_fsdp takes mem_budget per rank in bytes or with a unit ('40GB'), not a percentage")
+    blocks = list(blocks) if blocks is not None else _default_blocks(model)
+    if len({_block_signature(b) for b in blocks}) > 1:
+        raise ValueError("optimize_fsdp plans one block for all: the blocks must have one class and parameter shapes")
+    if group is None and mesh is not None:
+        group = mesh.get_group()
+    world = dist.get_world_size(group)
+    example_inputs = tuple(example_inputs)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root_params = [p for p in model.parameters() if id(p) not in in_blocks]
+    limit = options.get("time_limit_s") or 5.0
+
+    def planned():
+        args, kwargs = _record_block_inputs(model, blocks[0], example_inputs)
+        root_act = measure_root_activations(model, blocks, example_inputs, root_params)
+        memory = fsdp_memory([list(b.parameters()) for b in blocks], root_params, world, root_act)
+        fwd = _bound_forward(blocks[0])
+        arg_bytes = _tensor_bytes(args, kwargs)
+        problem = api.capture_problem(_with_kwargs(fwd, kwargs), args, device_profile=options.get("device_profile"))
+        block_budget, _m = _choose_block_budget(problem, memory, budget.nbytes, arg_bytes, limit)
+        notes = []
+        for _attempt in range(4):  # the planner may plan a little otherwise (fusion, costs measured again): check
+            opt = api.optimize(fwd, block_budget, **options)
+            with torch.random.fork_rng():
+                del_out = opt(*args, **kwargs)  # plans, called as FSDP2 will call it
+            del del_out
+            plan = opt.plan
+            memory = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
+            if budget.nbytes is None or memory.total <= budget.nbytes:
+                break
+            over = memory.total - budget.nbytes
+            notes.append(f"block budget {block_budget / MiB:.2f} MiB gave {memory.total / MiB:.2f} MiB per rank, "
+                         f"{over / MiB:.2f} MiB over: lowered")
+            block_budget -= over
+        else:
+            e = BudgetInfeasibleError(budget.nbytes, memory.total, memory.fixed)
+            e.args = (f"no block plan fits the per-rank budget {budget.nbytes / MiB:.2f} MiB: {memory.describe()}",)
+            raise e
+        spec = api.optimized_spec(opt)
+        info = FSDPPlan(budget.nbytes, block_budget, memory, plan, plan_digest(plan), notes)
+        return (info, spec), (spec, memory, block_budget, notes, tuple(kwargs))
+
+    def replayed(payload):
+        spec, memory, block_budget, notes, kw = payload
+        return FSDPPlan(budget.nbytes, block_budget, memory, None, "", list(notes)), spec
+
+    # every rank gets the same payload, so the digests agree here; each block checks at its first call that it
+    # replays the plan (_Replayed), and plan_digest(block.forward.plan) is then equal on every rank
+    info, spec = _one_outcome(group, src, planned, replayed, lambda outcome: "")
+    info.notes.append(f"blocks planned on rank {src} and replayed on every rank")
+    for b in blocks:
+        fwd = _bound_forward(b)
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        b.forward = _Replayed(api.optimize_like(fwd, spec), info)
+    fully_shard(model, mesh=mesh)
+    model.plan = info
+    return model
+
+
+def _bound_forward(block: torch.nn.Module) -> Callable:
+    """The block's forward as its class defines it, bound to the block (what FSDP2's hooks wrap)."""
+    return type(block).forward.__get__(block)
+
+
+def _with_kwargs(fwd: Callable, kwargs: dict) -> Callable:
+    if not kwargs:
+        return fwd
+
+    def call(*args):
+        return fwd(*args, **kwargs)
+
+    return call
+
+
+class _Replayed:
+    """A block's planned forward under FSDP2: the carried plan replayed at its first call; a plan solved there
+    instead (the sharded block captured a different graph) is an error, raised alike on every rank."""
+
+    def __init__(self, optimized, info: FSDPPlan):
+        self.optimized = optimized
+        self.info = info
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.optimized.plan
+
+    def __call__(self, *args, **kwargs):
+        out = self.optimized(*args, **kwargs)
+        plan = self.optimized.plan
+        if plan is not None and self.info.block_plan is None:
+            self.info.block_plan = plan
+            self.info.digest = plan_digest(plan)
+        if plan is not None and not any(n.startswith("loaded from") for n in plan.stats.notes):
+            raise RuntimeError("optimize_fsdp: a sharded block captured another graph than the unsharded block planned "
+                               "for (so it was planned again on this rank); please report it with the model")
+        return out

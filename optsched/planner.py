@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .budget import Budget, BudgetResolution
 from .capture.fingerprint import fingerprint
-from .capture.joint_graph import JointGraph
+from .capture.joint_graph import JointGraph, build_joint_graph
 from .capture.output_usage import OutputUsage
 from .costs.problem_builder import Built, build_problem, reuse_candidates
 from .costs.profiles import DeviceProfile, NodeCosts, get_profile
@@ -34,6 +34,7 @@ from .costs.profiling import profile_nodes
 from .executors import get_executor
 from .executors.base import Executor
 from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
+from .passes.chunking import chunk, copy_graph, find_chains
 from .plans.cache import plan_path, save_or_warn
 from .plans.file_format import PlanFile, PlanMismatchError, load_plan
 from .plans.plan import Plan
@@ -48,6 +49,7 @@ DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PE
 DEFAULT_S_PER_OP = 0.02
 DEFAULT_TIME_LIMIT_MAX_S = 30.0  # and at most this: repeated blocks are searched alike, so depth costs little
 DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
+CHUNK_TIE = 0.01  # more chunks are chosen only when their plan is faster by more than this share
 
 
 def physical_memory_bytes() -> int:
@@ -141,10 +143,15 @@ class Planner:
                 usage = OutputUsage.parse(recorded)  # our guess, against what the file's run saw the caller do
             if mismatch is None and (usage.describe() if usage is not None else None) == recorded:
                 t = self.target
+                chunks = pf.data.get("summary", {}).get("chunks") or {}
+                if any(k > 1 for k in chunks.values()):  # the plan was made for the chunked graph: make it again
+                    chunk(gm, chunks)
+                    vars(jg).update(vars(build_joint_graph(gm, jg.num_fwd_outputs)))
                 plan, items = plan_from_file(
                     jg, gm, pf, name, usage, profile=t.profile, offload=t.offload,
                     fuse=lambda built, groups: self.fuse(jg, built, groups, measure=False),  # costs come from the file
                 )
+                plan.chunks = dict(chunks)
                 self._record_budget(plan, fp)
                 self.on_plan(plan)
                 return plan, items
@@ -204,13 +211,94 @@ class Planner:
             jg, t.profile, name=name, measured=costs,
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
         )
-        plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+        if jg.is_training and self.settings.chunk_counts != (1,) and find_chains(gm)[0]:
+            plan, items = self._solve_chunked(gm, jg, built, costs, usage)
+        else:
+            plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
         if costs is not None and not costs.scratch_measured:
             plan.stats.notes.append("planned while another profiler was running: kernel scratch space was not measured "
                                     "(counted as 0) and no op writes into a dying input")
         return plan, items
 
-    def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int) -> tuple[Plan, list]:
+    def _solve_chunked(
+        self, gm: fx.GraphModule, jg: JointGraph, built: Built, costs: NodeCosts | None, usage: OutputUsage | None,
+    ) -> tuple[Plan, list]:
+        """The chunk count of the LM head + cross-entropy as a decision (passes/chunking.py): the graph as
+        captured (1 chunk) and the graph with the chain in 2, 4, ... chunks, each planned for the same budget
+        (the captured graph's); the fastest plan that fits wins, more chunks only when faster by more than
+        CHUNK_TIE. The chunked op is timed and its scratch space (one chunk's logits) measured like any op.
+        Counts go up until one's plan recomputes nothing and is no faster than the best so far: more chunks
+        then only add time. The winner's graph replaces `gm`'s and `jg` is rebuilt for it, so the caller
+        lowers the graph that was planned."""
+        t = self.target
+        counts = self.settings.chunk_counts
+        baseline = simulate(built.problem, default_schedule(built.problem))
+        budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
+        tried: list[tuple[int, Plan | None, list, fx.GraphModule | None, JointGraph | None]] = []
+        best = None
+        for k in counts:
+            g, jgk, built_k = None, jg, built
+            if k > 1:
+                g = copy_graph(gm)
+                chunk(g, k)
+                jgk = build_joint_graph(g, jg.num_fwd_outputs)
+                built_k = build_problem(jgk, t.profile, name=built.problem.name, measured=self._chunked_costs(g, jgk, costs),
+                                        offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage)
+            try:
+                plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
+            except BudgetInfeasibleError:
+                tried.append((k, None, [], g, jgk))
+                continue
+            tried.append(cand := (k, plan_k, items_k, g, jgk))
+            if best is not None and plan_k.sim.time_s >= best[1].sim.time_s * (1 - CHUNK_TIE):
+                if not plan_k.sim.recomputed_ops and not plan_k.sim.offloads:
+                    break
+                continue
+            best = cand
+        if best is None:
+            raise BudgetInfeasibleError(
+                f"no plan fits the budget of {budget_bytes / 2**20:.2f} MiB with the LM head in any of "
+                f"{', '.join(map(str, counts))} chunks", proven=False,
+            )
+        k, plan, items, g, jgk = best
+        names = [c.name for c in find_chains(gm)[0]]
+        plan.chunks = dict.fromkeys(names, k)
+        plan.baseline = baseline  # the captured program's, unplanned: what budgets and ratios refer to
+        mib = 2**20
+        plan.stats.notes.append("chunks of " + ", ".join(names) + ": " + "; ".join(
+            f"{c[0]}: " + (f"{c[1].sim.peak_bytes / mib:.2f} MiB, {c[1].sim.time_s * 1e3:.2f} ms, "
+                           f"{len(c[1].sim.recomputed_ops)} recomputed" if c[1] else "does not fit")
+            for c in tried) + f"; chose {k}")
+        plan.chunk_trials = [
+            {"chunks": c[0], "fits": c[1] is not None, "predicted_peak_bytes": c[1].sim.peak_bytes if c[1] else None,
+             "estimated_time_s": c[1].sim.time_s if c[1] else None,
+             "n_recomputed": len(c[1].sim.recomputed_ops) if c[1] else None}
+            for c in tried
+        ]
+        if g is not None:  # the caller lowers gm with jg: make them the chunked graph's
+            gm.graph = g.graph
+            jgk.gm = gm
+            vars(jg).update(vars(jgk))
+        return plan, items
+
+    def _chunked_costs(self, g: fx.GraphModule, jg: JointGraph, costs: NodeCosts | None) -> NodeCosts | None:
+        """Op times of a chunked graph: the captured graph's, plus the new nodes' (the chunked op, the
+        backward's scaling) timed and measured on their own inputs, when the target measures."""
+        if costs is None:
+            return None
+        if self.costs != self.measured_costs:
+            return self.costs(g, jg)
+        new = [n for n in g.graph.nodes if n.op == "call_function" and n.name not in costs.times]
+        sub = _subgraph(g, new)
+        reuse = {k: v for k, v in reuse_candidates(jg).items() if k in {n.name for n in new}}
+        by_name = {n.name: n for n in sub.graph.nodes}
+        reuse = {k: by_name[v.name] for k, v in reuse.items() if not isinstance(v, list) and v.name in by_name}
+        measured = profile_nodes(sub, self.target.device, reuse, repeat=1)  # one op of seconds: one timed run
+        return NodeCosts({**costs.times, **measured.times}, {**costs.workspace, **measured.workspace},
+                         {**costs.reuse_ok, **measured.reuse_ok}, costs.scratch_measured and measured.scratch_measured)
+
+    def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int, budget_bytes: int | None = None,
+                    ) -> tuple[Plan, list]:
         """Plan with the executor's vertical groups; then try each horizontal group, kept only if the
         plan with it is faster and its peak no higher (fusing independent ops makes their outputs
         live together, which is how memory-blind fusion inflates peaks)."""
@@ -218,7 +306,7 @@ class Planner:
         groups = find_groups(built.problem, fusible)
         compiled: dict = {}
         problem, items = self.fuse(jg, built, groups, compiled)
-        plan = self._solve(problem, graph_nodes, items)
+        plan = self._solve(problem, graph_nodes, items, budget_bytes)
         taken = {o for c in groups for o in c}
         for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
             trial_problem, trial_items = self.fuse(jg, built, groups + [cand], compiled)
@@ -287,6 +375,28 @@ class Planner:
         plan.budget_from = self.resolution.source(peak, fp["hash"])
         if plan.kind == "training":
             self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
+    """`nodes` alone, names kept: what they read from outside as placeholders, every value an output."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inside = set(nodes)
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:
+            env[a] = graph.placeholder(a.name)
+            env[a].meta = dict(a.meta)
+        return env[a]
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                arg(a)
+    for n in nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[n] for n in nodes))
+    return fx.GraphModule(gm, graph)
 
 
 def _reads_tangent(jg: JointGraph, node: fx.Node) -> bool:

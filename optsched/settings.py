@@ -27,6 +27,19 @@ class PlanningSettings:
     plan: str | os.PathLike | None = None
     on_mismatch: str = "error"
     deterministic: bool | None = None
+    chunking: bool | int | None = None
+
+    @property
+    def chunk_counts(self) -> tuple[int, ...]:
+        """The chunk counts the planner may give an LM head + cross-entropy chain (passes/chunking.py):
+        all of CHUNK_COUNTS unless chunking is off (only 1: the graph as captured) or one count is forced."""
+        from .lower.chunked_ce import CHUNK_COUNTS
+
+        if self.chunking is False:
+            return (1,)
+        if self.chunking is None or self.chunking is True:
+            return CHUNK_COUNTS
+        return (int(self.chunking),)
 
     @property
     def deterministic_planning(self) -> bool:

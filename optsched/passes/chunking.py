@@ -189,7 +189,7 @@ def _match(loss: fx.Node, name: str) -> tuple[str, Chain | None]:
             return "the logits' gradient has other readers", None
     removed = [mm, *views, x, lsm, *detached, loss, loss_bw, lsm_bw, *grad_views, *extra]
     removed += [n for n in (grad_hidden, grad_weight) if n is not None]
-    return "", Chain(name, mm, loss, loss_bw, grad_hidden, grad_weight, removed)
+    return "", Chain(name, mm, loss, loss_bw, grad_hidden, grad_weight, list(dict.fromkeys(removed)))
 
 
 def _is_t_of(node, of: fx.Node) -> bool:

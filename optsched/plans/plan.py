@@ -53,6 +53,8 @@ SUMMARY_KEYS = {
     "timing": "'measured' (op times measured on the device) or 'roofline' (the profile's cost model)",
     "output_usage": "what the plan assumes the caller does with each forward output: 'g' a gradient flows into it, "
     "'h' it is held through the backward, '-' not (e.g. 'gh,--' for a loss used and logits dropped); None forward-only",
+    "chunks": "per LM head + cross-entropy chain (passes/chunking.py), the number of token chunks it runs in "
+    "(1: as captured); empty when there is none or chunking is off",
 }
 
 
@@ -77,6 +79,8 @@ class Plan:
     # "fingerprint"} of the program the percentage was taken of; None for bytes or no budget
     budget_from: dict | None = None
     output_usage: str | None = None  # OutputUsage.describe() of the training program's outputs
+    chunks: dict[str, int] = field(default_factory=dict)  # chain name -> chunk count (passes/chunking.py)
+    chunk_trials: list[dict] = field(default_factory=list)  # per chunk count tried: fits, peak, time
 
     @property
     def kind(self) -> str:
@@ -144,6 +148,7 @@ class Plan:
             "device_profile": self.profile.name,
             "timing": self.timing,
             "output_usage": self.output_usage,
+            "chunks": dict(self.chunks),
         }
         assert set(out) == set(SUMMARY_KEYS)
         return out

@@ -140,6 +140,7 @@ class Summary:
     budget_reference_peak_bytes: int | None = None
     output_usage: str | None = None
     bound_valid_for: str | None = None  # written since issue 14
+    chunks: dict[str, int] | None = None  # written since issue 16 (chunking)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -328,7 +328,7 @@ def optimize(
     plan: str | os.PathLike | None = None,
     on_mismatch: str = "error",
     deterministic: bool | None = None,
-    chunking: bool | None = None,
+    chunking: bool | int | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -377,7 +377,8 @@ def optimize(
     nll loss) may run in token chunks (1, 2, 4, ..., 64), each chunk's loss and gradients computed at
     once, so only one chunk's logits exist; the planner picks the count (the fastest plan within the
     budget; 1, the captured graph, unless more chunks are faster or needed). None (default) and True:
-    on. False: the graph as captured. `plan.summary()["chunks"]` says what was chosen.
+    on. False: the graph as captured. An int: that many chunks (1: as captured), not a choice.
+    `plan.summary()["chunks"]` says what was chosen.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):

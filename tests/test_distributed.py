@@ -1,0 +1,207 @@
+"""optsched under torch.distributed (issue 17): 2 CPU processes, gloo, loopback only.
+
+Each test starts this file as a script on 2 ranks (`python tests/test_distributed.py SCENARIO RANK PORT`), with a
+timeout: a rank that hangs fails the test instead of hanging it. Each rank prints one JSON line of results.
+
+- DDP around `optsched.distributed.optimize`: gradients equal to plain DDP's, one plan on both ranks (the same
+  digest; rank 1 replays rank 0's), the measured per-rank peak within the budget; an infeasible budget raises the
+  same BudgetInfeasibleError on both ranks.
+- FSDP2 through `optsched.distributed.optimize_fsdp`: gradients and, after an optimizer step, the sharded
+  parameters equal to the unoptimized FSDP2 model's; one block plan on both ranks; the measured per-rank peak
+  within the per-rank budget; an infeasible budget raises the same error on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(scenario: str, world: int = 2) -> list[dict]:
+    """Run `scenario` on `world` ranks; each rank's JSON result (the test fails on a timeout or a crash)."""
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(world)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=TIMEOUT_S)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for rank, (code, out, err) in enumerate(outs):
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        assert code == 0 and lines, f"rank {rank} exited {code}:\n{out[-3000:]}\n{err[-5000:]}"
+        results.append(json.loads(lines[-1]))
+    return results
+
+
+def test_ddp_one_plan_same_gradients_peak_within_budget():
+    r0, r1 = _run("ddp")
+    for r in (r0, r1):
+        assert r["grads_equal"], r
+        assert r["measured_peak"] <= r["budget"], r
+    assert r0["digest"] == r1["digest"]
+    assert r0["fingerprint"] == r1["fingerprint"]
+    assert r1["replayed"] and not r0["replayed"]  # rank 1 ran rank 0's plan, it did not solve
+    # infeasible: the same error on both ranks, raised (not hung, not a dropped connection)
+    assert r0["infeasible"] == r1["infeasible"]
+    assert r0["infeasible"].startswith("BudgetInfeasibleError:")
+    assert r0["infeasible_rank"] == r1["infeasible_rank"] == 0
+
+
+def test_fsdp2_blocks_planned_same_gradients_and_shards_peak_within_budget():
+    r0, r1 = _run("fsdp")
+    for r in (r0, r1):
+        assert r["grads_equal"] and r["params_equal_after_step"], r
+        assert r["predicted"] <= r["budget"], r
+        assert r["measured_peak"] <= r["budget"], r
+        assert r["block_recomputes"] > 0, r  # the budget binds: the block plan recomputes
+        assert len(set(r["block_digests"])) == 1 and r["all_replayed"], r
+    assert r0["block_digests"] == r1["block_digests"]
+    assert r0["infeasible"] == r1["infeasible"]
+    assert r0["infeasible"].startswith("BudgetInfeasibleError: no plan fits the per-rank budget")
+
+
+# ---------------------------------------------------------------------------------------------
+# the ranks (run as a script)
+
+
+def _mlp(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 8),
+    )
+
+
+def _ddp(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import optsched
+    import optsched.distributed as od
+    from optsched.measure import live_bytes, measure_peak
+
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(512, 64, generator=g), torch.randn(512, 8, generator=g)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _mlp(0)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.body(x), y)
+
+    ref, model = Net(), Net()
+    opt = od.optimize(model, "75%", example_inputs=(x, y))
+    ddp_ref, ddp = DDP(ref), DDP(opt)
+    ddp_ref(x, y).backward()
+    for p in model.parameters():
+        p.grad = None
+    start = live_bytes(model, x, y)
+    peak = measure_peak(lambda: ddp(x, y).backward()).peak_bytes
+    grads_equal = all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+    plan = opt.plan
+    out = {
+        "grads_equal": grads_equal, "measured_peak": start + peak, "budget": plan.budget_bytes,
+        "predicted": plan.predicted_peak_bytes, "digest": od.plan_digest(plan), "fingerprint": plan.fingerprint["hash"],
+        "replayed": any(n.startswith("loaded from") for n in plan.stats.notes),
+    }
+    try:
+        od.optimize(Net(), 1000, example_inputs=(x, y))
+        out["infeasible"] = "no error"
+    except optsched.BudgetInfeasibleError as e:
+        out["infeasible"], out["infeasible_rank"] = f"{type(e).__name__}: {e}", e.rank
+    dist.barrier()
+    return out
+
+
+def _fsdp(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import optsched
+    import optsched.distributed as od
+    from benchmarks.models.gpt import GPTConfig, build, make_batch
+    from optsched.measure import measure_peak
+
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=3, n_head=2, n_embd=32)
+    x, y = make_batch(cfg, 4, 32, seed=rank)
+    budget = int(1.25 * 2**20)
+
+    ref = build(cfg)
+    for b in ref.blocks:
+        fully_shard(b)
+    fully_shard(ref)
+    model = od.optimize_fsdp(build(cfg), budget, example_inputs=(x, y))
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    ref(x, y).backward()
+    start = sum(local(p).untyped_storage().nbytes() for p in model.parameters()) + x.nbytes + y.nbytes
+    peak = measure_peak(lambda: model(x, y).backward()).peak_bytes
+    grads_equal = all(torch.equal(local(a.grad), local(b.grad)) for a, b in zip(ref.parameters(), model.parameters()))
+    for m in (ref, model):
+        torch.optim.AdamW(m.parameters(), lr=1e-2).step()
+    params_equal = all(torch.equal(local(a), local(b)) for a, b in zip(ref.parameters(), model.parameters()))
+    plans = [b.forward.plan for b in model.blocks]
+    info = model.plan
+    out = {
+        "grads_equal": grads_equal, "params_equal_after_step": params_equal, "measured_peak": start + peak,
+        "budget": budget, "predicted": info.predicted_peak_bytes, "block_digests": [od.plan_digest(p) for p in plans],
+        "block_recomputes": len(plans[0].sim.recomputed_ops),
+        "all_replayed": all(any(n.startswith("loaded from") for n in p.stats.notes) for p in plans),
+        "memory": info.memory.describe(),
+    }
+    try:
+        od.optimize_fsdp(build(cfg), int(0.6 * 2**20), example_inputs=(x, y))
+        out["infeasible"] = "no error"
+    except optsched.BudgetInfeasibleError as e:
+        out["infeasible"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return out
+
+
+def _main(scenario: str, rank: int, world: int) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = {"ddp": _ddp, "fsdp": _fsdp}[scenario](rank, world)
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-zoo bench clean lint
+.PHONY: setup demo test test-all test-zoo bench clean lint notebooks
 
 setup: $(STAMP)
 
@@ -40,6 +40,10 @@ bench: setup
 	$(BIN)/python -m benchmarks.gpt_budget
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
 	$(BIN)/python -m benchmarks.zoo
+
+# notebooks/: every notebook at full size, outputs and plots written into the files (about 15 minutes)
+notebooks: setup
+	$(BIN)/python notebooks/execute.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -112,3 +112,14 @@ def test_a_model_with_dropout_keeps_random_ops_saved():
         assert set(sim.saved) - c.saved_storages <= kept  # only what was kept against torch's choice
     else:
         assert c.saved_storages == set(sim.saved)
+
+
+def test_measured_op_times_as_optimize_measures_them_on_cpu():
+    model, inputs = models.mlp()
+    roofline = capture_training_step(model, inputs)
+    measured = capture_training_step(model, inputs, measure=True)
+    assert [o.name for o in measured.problem.ops] == [o.name for o in roofline.problem.ops]
+    assert all(o.time_s > 0 for o in measured.problem.ops)
+    assert [o.time_s for o in measured.problem.ops] != [o.time_s for o in roofline.problem.ops]
+    c = mincut_choice(measured, 0.0)
+    assert c.saved_storages == set(simulate(measured.problem, c.schedule).saved)

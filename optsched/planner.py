@@ -235,6 +235,7 @@ class Planner:
         baseline = simulate(built.problem, default_schedule(built.problem))
         budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
         tried: list[tuple[int, Plan | None, list, fx.GraphModule | None, JointGraph | None]] = []
+        failures: list[BudgetInfeasibleError] = []
         best = None
         for k in counts:
             g, jgk, built_k = None, jg, built
@@ -246,8 +247,9 @@ class Planner:
                                         offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage)
             try:
                 plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
-            except BudgetInfeasibleError:
+            except BudgetInfeasibleError as e:
                 tried.append((k, None, [], g, jgk))
+                failures.append(e)
                 continue
             tried.append(cand := (k, plan_k, items_k, g, jgk))
             if best is not None and plan_k.sim.time_s >= best[1].sim.time_s * (1 - CHUNK_TIE):
@@ -256,10 +258,10 @@ class Planner:
                 continue
             best = cand
         if best is None:
-            raise BudgetInfeasibleError(
-                f"no plan fits the budget of {budget_bytes / 2**20:.2f} MiB with the LM head in any of "
-                f"{', '.join(map(str, counts))} chunks", proven=False,
-            )
+            low = min(failures, key=lambda e: e.lowest_peak_bytes)
+            e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, min(e.lower_bound_bytes for e in failures))
+            e.args = (f"{e.args[0]} (the LM head in any of {', '.join(map(str, counts))} chunks)",)
+            raise e
         k, plan, items, g, jgk = best
         names = [c.name for c in find_chains(gm)[0]]
         plan.chunks = dict.fromkeys(names, k)

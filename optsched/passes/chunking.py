@@ -196,13 +196,13 @@ def _is_t_of(node, of: fx.Node) -> bool:
     return isinstance(node, fx.Node) and node.target is aten.t.default and node.args[0] is of
 
 
-def _fake(target, *args):
-    mode = detect_fake_mode([_val(a) for a in args if isinstance(a, fx.Node)])
-    vals = [_val(a) if isinstance(a, fx.Node) else a for a in args]
+def _fake(target, *args, **kwargs):
+    args, kwargs = fx.map_arg((args, kwargs), _val)
+    mode = detect_fake_mode([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
     if mode is None:
-        return target(*vals)
+        return target(*args, **kwargs)
     with mode:
-        return target(*vals)
+        return target(*args, **kwargs)
 
 
 def _call(graph: fx.Graph, target, args: tuple, like: fx.Node | None = None) -> fx.Node:
@@ -234,25 +234,50 @@ def chunk(gm: fx.GraphModule, chunks: int | dict[str, int]) -> list[Chain]:
         for u in list(loss.users):
             u.replace_all_uses_with(items[u.args[1]])
         go = loss_bw.args[0]
+        changed = set(items)
         with graph.inserting_before(loss_bw):
             if chain.grad_hidden is not None:
                 gh = _call(graph, aten.mul.Tensor, (items[2], go), like=chain.grad_hidden)
                 chain.grad_hidden.replace_all_uses_with(gh)
+                changed.add(gh)
             if chain.grad_weight is not None:
                 gw = _call(graph, aten.mul.Tensor, (items[3], go), like=chain.grad_weight)
                 if _val(chain.grad_weight).shape != _val(gw).shape:  # mm(hidden.t(), grad): [h, V]
                     gw = _call(graph, aten.t.default, (gw,))
                 chain.grad_weight.replace_all_uses_with(gw)
-        for n in reversed(chain.removed):
-            for u in list(n.users):
-                if u.op == "call_function" and u.target is operator.getitem and not u.users:
-                    graph.erase_node(u)
-            if not n.users:
+                changed.add(gw)
+        left = list(reversed(chain.removed))
+        while left:  # readers first; a node goes once nothing reads it (its tuple items included)
+            for n in left:
+                for u in list(n.users):
+                    if u.op == "call_function" and u.target is operator.getitem and not u.users:
+                        graph.erase_node(u)
+            gone = [n for n in left if not n.users]
+            if not gone:
+                raise RuntimeError(f"chunking {chain.name}: {left[0].name} is still read by {list(left[0].users)}")
+            for n in gone:
                 graph.erase_node(n)
+            left = [n for n in left if n not in gone]
         _drop_dead_views(graph)
+        _refresh_views(graph, changed)
     graph.lint()
     gm.recompile()
     return chains
+
+
+def _is_view_op(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
+        and not schema.returns[0].alias_info.is_write
+
+
+def _refresh_views(graph: fx.Graph, changed: set[fx.Node]) -> None:
+    """Views of the new values get new fake values: memory is keyed by storage (capture/joint_graph.py), and a
+    view's old value still points at the storage of the node it viewed before."""
+    for n in graph.nodes:
+        if n.op == "call_function" and _is_view_op(n.target) and any(a in changed for a in n.all_input_nodes):
+            n.meta["val"] = _fake(n.target, *n.args, **n.kwargs)
+            changed.add(n)
 
 
 def _drop_dead_views(graph: fx.Graph) -> None:

@@ -376,9 +376,10 @@ def optimize(
     chunking: an LM head + cross-entropy in the training step (a matmul into a vocabulary, log-softmax,
     nll loss) may run in token chunks (1, 2, 4, ..., 64), each chunk's loss and gradients computed at
     once, so only one chunk's logits exist; the planner picks the count (the fastest plan within the
-    budget; 1, the captured graph, unless more chunks are faster or needed). None (default) and True:
-    on. False: the graph as captured. An int: that many chunks (1: as captured), not a choice.
-    `plan.summary()["chunks"]` says what was chosen.
+    budget; 1, the captured graph, unless more chunks are faster or needed). True: on. None (default)
+    and False: off, the graph as captured (chunked gradients equal eager's to rounding, not bitwise: the
+    weight's gradient is summed chunk by chunk). An int: that many chunks (1: as captured), not a
+    choice. `plan.summary()["chunks"]` says what was chosen.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
     if on_mismatch not in ("error", "replan"):

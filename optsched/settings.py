@@ -32,12 +32,13 @@ class PlanningSettings:
     @property
     def chunk_counts(self) -> tuple[int, ...]:
         """The chunk counts the planner may give an LM head + cross-entropy chain (passes/chunking.py):
-        all of CHUNK_COUNTS unless chunking is off (only 1: the graph as captured) or one count is forced."""
+        all of CHUNK_COUNTS when it is on, only 1 (the graph as captured) when off (the default: chunked
+        gradients equal eager's to rounding, not bitwise), or the one count forced."""
         from .lower.chunked_ce import CHUNK_COUNTS
 
-        if self.chunking is False:
+        if self.chunking is None or self.chunking is False:
             return (1,)
-        if self.chunking is None or self.chunking is True:
+        if self.chunking is True:
             return CHUNK_COUNTS
         return (int(self.chunking),)
 

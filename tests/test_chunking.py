@@ -192,12 +192,13 @@ def test_forced_chunks_predicted_peak_is_measured_and_lower():
 def test_the_planner_chunks_at_a_budget_only_chunking_meets():
     model, inputs = _gpt()
     _, grads = _eager(model, inputs)
-    unplanned = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=False).plan
+    unplanned = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S).plan
     plan_1 = unplanned.summary()
+    assert plan_1["chunks"] == {}  # off by default
     budget = int(0.6 * plan_1["unplanned_peak_bytes"])
     with pytest.raises(optsched.BudgetInfeasibleError):  # recomputation alone cannot reach it
         optsched.optimize(model, budget, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=False)
-    opt = optsched.optimize(model, budget, example_inputs=inputs, time_limit_s=TIME_LIMIT_S)
+    opt = optsched.optimize(model, budget, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=True)
     plan = opt.plan
     k = plan.summary()["chunks"]["lm_head"]
     assert k > 1

@@ -64,6 +64,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "distributed":  # optsched.distributed: one plan for every rank (DDP, FSDP2)
+        return _importlib.import_module(".distributed", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

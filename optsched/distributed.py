@@ -240,6 +240,22 @@ def saved_bytes(problem, sim, argument_bytes: int = 0) -> int:
     return kept + argument_bytes
 
 
+def activation_peak(problem, sim) -> int:
+    """The largest device bytes of a plan's activations alone at one step: its timeline without the program's
+    inputs (parameters) and outputs (gradients, loss), which FSDPMemory counts apart."""
+    apart = problem.outputs | {t.id for t in problem.tensors if t.kind == TensorKind.INPUT}
+    delta = [0] * (len(sim.timeline) + 1)
+    for life in sim.lifetimes:
+        if life.tensor not in apart:
+            delta[life.start] += problem.tensors[life.tensor].bytes
+            delta[life.end + 1] -= problem.tensors[life.tensor].bytes
+    live = peak = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
 def _tensor_bytes(args: tuple, kwargs: dict) -> int:
     return sum(a.numel() * a.element_size() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
@@ -369,26 +385,39 @@ def _block_signature(block: torch.nn.Module) -> tuple:
     return (type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
-def _choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float):
+def choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float,
+                        tolerance: float = 0.02):
     """The largest block budget whose plan keeps the per-rank total within `budget` (a bisection over the
-    block's peak; each candidate solved with the same deterministic solver). Returns (block budget, memory)."""
+    block's peak, to `tolerance` of it; each candidate solved by the same deterministic solver). Returns
+    (block budget or None for no budget, the memory with that plan). A budget below the fixed terms, the other
+    blocks' inputs and the block's proven lower bound fails at once."""
     def evaluate(b):
         try:
             sol = solve(problem, b, time_limit_s=time_limit_s, deterministic=True)
         except BudgetInfeasibleError:
-            return None
-        return memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes))
+            return None, None
+        return memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes)), sol
 
-    fastest = evaluate(None)
+    def infeasible(floor: FSDPMemory, bound: int) -> BudgetInfeasibleError:
+        e = BudgetInfeasibleError(budget, floor.total, bound)
+        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
+                  f"{floor.total / MiB:.2f} MiB ({floor.describe()}); no plan can go below {bound / MiB:.2f} MiB "
+                  f"(the fixed terms alone are {memory.fixed / MiB:.2f} MiB)",)
+        return e
+
+    fastest, sol = evaluate(None)
     if budget is None or fastest.total <= budget:
         return None, fastest
-    lowest = None
-    lo, hi, best = 0, fastest.block_peak, None
-    for _ in range(12):
-        if hi - lo <= max(4096, hi // 200):
+    bound = memory.fixed + (memory.n_blocks - 1) * arg_bytes + sol.lower_bound_bytes
+    if budget < bound:
+        raise infeasible(fastest, bound)
+    lowest, best = None, None
+    lo, hi = sol.lower_bound_bytes - 1, fastest.block_peak
+    for _ in range(16):
+        if hi - lo <= max(4096, int(hi * tolerance)):
             break
         mid = (lo + hi) // 2
-        m = evaluate(mid)
+        m, _sol = evaluate(mid)
         if m is None:
             lo = mid
             continue
@@ -398,12 +427,7 @@ def _choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_by
         else:
             hi = mid
     if best is None:
-        floor = lowest or fastest
-        e = BudgetInfeasibleError(budget, floor.total, memory.fixed)
-        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
-                  f"{floor.total / MiB:.2f} MiB ({floor.describe()}); the fixed terms alone are "
-                  f"{memory.fixed / MiB:.2f} MiB",)
-        raise e
+        raise infeasible(lowest or fastest, bound)
     return best
 
 
@@ -449,14 +473,11 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
         fwd = _bound_forward(blocks[0])
         arg_bytes = _tensor_bytes(args, kwargs)
         problem = api.capture_problem(_with_kwargs(fwd, kwargs), args, device_profile=options.get("device_profile"))
-        block_budget, _m = _choose_block_budget(problem, memory, budget.nbytes, arg_bytes, limit)
+        block_budget, _m = choose_block_budget(problem, memory, budget.nbytes, arg_bytes, limit)
         notes = []
         for _attempt in range(4):  # the planner may plan a little otherwise (fusion, costs measured again): check
             opt = api.optimize(fwd, block_budget, **options)
-            with torch.random.fork_rng():
-                del_out = opt(*args, **kwargs)  # plans, called as FSDP2 will call it
-            del del_out
-            plan = opt.plan
+            plan = _plan_as_used(opt, blocks[0], args, kwargs)
             memory = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
             if budget.nbytes is None or memory.total <= budget.nbytes:
                 break
@@ -487,6 +508,26 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     fully_shard(model, mesh=mesh)
     model.plan = info
     return model
+
+
+def _plan_as_used(opt, block: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:
+    """Plan `opt` (a block's optimized forward) for the way FSDP2 uses a block's outputs: its post-forward hook
+    hands on views of them (`view_as`) and drops the outputs themselves, and a gradient flows back into them.
+    The first backward shows optsched that use (capture/output_usage: a gradient, not held), and the second
+    call plans for it, so the plans carried to the ranks are the ones their steps replay. The gradients this
+    leaves are dropped."""
+    with torch.random.fork_rng():
+        for _round in range(2):
+            out = opt(*args, **kwargs)
+            leaves = [t.view_as(t) for t in torch.utils._pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            del out
+            torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+            del leaves
+    for t in (*block.parameters(), *args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            t.grad = None
+    return opt.plan
 
 
 def _bound_forward(block: torch.nn.Module) -> Callable:

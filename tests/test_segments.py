@@ -149,3 +149,69 @@ def test_plan_files_are_deterministic_by_default(tmp_path):
     assert plans[0].schedule.to_dict() == plans[1].schedule.to_dict()
     a, b = (p.stats for p in plans)
     assert (a.status, a.objective_s, a.bound_s, a.method, a.notes) == (b.status, b.objective_s, b.bound_s, b.method, b.notes)
+
+
+def _frozen(p, host_bw: float, host_budget: int | None = None):
+    """`p` with nothing recomputable and offloading at `host_bw`: only offloads can lower its peak."""
+    import dataclasses
+
+    from optsched.solvers import Problem
+
+    ops = [dataclasses.replace(o, recomputable=False) for o in p.ops]
+    return Problem(ops, p.tensors, outputs=p.outputs, returned=p.returned, name=p.name,
+                   host_bw=host_bw, host_budget_bytes=host_budget)
+
+
+def _offloads_are_sound(p, sched) -> None:
+    """Checked here, not by the simulator: each offloaded tensor is a forward activation the backward
+    reads, and its prefetch comes no later than its first backward reader."""
+    from optsched.solvers import Phase
+
+    for t, j in sched.offload.items():
+        prod = p.tensors[t].producer
+        assert prod is not None and p.ops[prod].phase is Phase.FW
+        first = next(i for i, o in enumerate(sched.bw_order) if t in p.ops[o].inputs)
+        assert 0 <= j <= first, (p.tensors[t].name, j, first)
+
+
+def test_segments_offload_where_recomputation_cannot_reach_the_budget():
+    p = _frozen(chain_training_problem(n_layers=6, act_bytes=64 * KIB, seed=4), host_bw=1e12)
+    base = simulate(p, default_schedule(p))
+    budget = int(0.7 * base.peak_bytes)
+    plain, _ = improve_by_segments(p, default_schedule(p), budget, deadline=_far(), workers=2)
+    assert simulate(p, plain).peak_bytes > budget  # nothing recomputable: no plan without offloading
+    sched, _cut = improve_by_segments(p, default_schedule(p), budget, deadline=_far(), workers=2, offload=True)
+    sim = simulate(p, sched)
+    assert sched.offload and sim.peak_bytes <= budget
+    assert sim.exposed_transfer_s < 0.05 * base.time_s  # copies hide behind compute, as the model assumes
+    _offloads_are_sound(p, sched)
+
+
+def test_segment_offloads_stay_within_the_host_budget():
+    act = 64 * KIB
+    p = _frozen(chain_training_problem(n_layers=6, act_bytes=act, seed=4), host_bw=1e12, host_budget=3 * act)
+    budget = int(0.7 * simulate(p, default_schedule(p)).peak_bytes)
+    sched, _cut = improve_by_segments(p, default_schedule(p), budget, deadline=_far(), workers=2, offload=True)
+    sim = simulate(p, sched)  # raises when the host budget is exceeded
+    assert sum(p.tensors[t].bytes for t in sched.offload) <= 3 * act
+    assert sim.host_bytes <= 3 * act
+    _offloads_are_sound(p, sched)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_solve_with_offloading_is_never_worse_than_its_start_and_sound(seed):
+    p = chain_training_problem(n_layers=6, act_bytes=64 * KIB, seed=seed, host_bw=2e9)
+    base = simulate(p, default_schedule(p))
+    for frac in (0.4, 0.6):
+        budget = int(frac * base.peak_bytes)
+        sched, _cut = improve_by_segments(p, default_schedule(p), budget, deadline=_far(), workers=2, offload=True)
+        sim = simulate(p, sched)
+        assert not better(base, sim, budget)
+        _offloads_are_sound(p, sched)
+
+
+def test_offloading_plans_are_deterministic():
+    p = chain_training_problem(n_layers=8, act_bytes=64 * KIB, seed=3, host_bw=5e9)
+    budget = int(0.45 * simulate(p, default_schedule(p)).peak_bytes)
+    a, b = (solve(p, budget, time_limit_s=1.0, deterministic=True) for _ in range(2))
+    assert a.schedule.to_dict() == b.schedule.to_dict()

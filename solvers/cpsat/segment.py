@@ -4,8 +4,11 @@ A segment is a run of backward steps [a, b) (a transformer block's backward) tog
 the forward ops only it needs (the block's forward ops: every backward reader of their
 outputs lies in the segment). Inside, the model decides at once
 
-- for each such forward op: saved across the forward, or recomputed at a step of the
-  segment chosen by the model (before every reader);
+- for each such forward op: saved across the forward, recomputed at a step of the
+  segment chosen by the model (before every reader), or, when the problem allows
+  offloading, copied to the host as it is made and back from a prefetch step before
+  the segment, one of a few the model chooses from (`OffloadWindow`): an earlier one
+  hides more copying, a later one holds the copies on the device for less of the plan;
 - the order of the segment's steps (data dependencies respected);
 
 and the memory it counts is exact up to rounding and storage reuse (not modelled: the
@@ -13,16 +16,22 @@ simulator may find less): storages made before the segment and read inside live 
 start to their last reader, storages made inside from their producer to their last reader
 (or through the segment), storages that only pass through are a constant. Outside the
 segment, a saved activation raises every step between its last forward use and the
-segment: those steps are constraints too. Every other step keeps its place.
+segment: those steps are constraints too; an offloaded one raises only the steps from its
+prefetch on. Copies are assumed hidden behind compute: the offloads of one segment together
+must not take longer to copy than the forward left to hide them and the compute between the
+prefetch and the segment (the simulator times every stall and judges). Every other step keeps
+its place.
 
 Two objectives: the least recompute time under a budget, or the lowest peak (then the
-least time at that peak). The simulator decides whether the answer is kept.
+least time at that peak); an offload costs a small share of its copy time (OFFLOAD_PENALTY)
+so that saving is preferred where memory allows. The simulator decides whether the answer
+is kept.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
@@ -31,20 +40,36 @@ from ..model.problem import Phase, Problem, TensorKind
 from ..model.simulator import SimResult
 
 
+OFFLOAD_PENALTY = 0.05  # of an offload's copy time, charged in the objective: saving wins a tie
+
+
+@dataclass(frozen=True)
+class OffloadWindow:
+    """Where and how much a segment may offload: free ops' outputs come back from one of the
+    `prefetches`, (global step at or before the segment, seconds of copying the compute from there
+    can hide), within `host_left` bytes of host memory (None: unlimited)."""
+
+    prefetches: tuple[tuple[int, float], ...]
+    host_left: int | None
+
+
 @dataclass
 class SegmentPlan:
     steps: list[tuple[int, bool]]  # the segment's new steps: (op id, recomputation?)
     recompute: set[int]  # the free ops recomputed in it
     status: str
     peak_units: int  # the model's peak (for the peak objective) in memory units
+    offload: set[int] = field(default_factory=set)  # the free ops whose outputs go to the host and back
+    prefetch_step: int | None = None  # where they come back (a global step)
 
 
-def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[int]) -> list[int]:
-    """Forward ops of `owned` whose save/recompute the segment [a, b) can decide alone.
+def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[int], offload: bool = False) -> list[int]:
+    """Forward ops of `owned` whose save/recompute(/offload) the segment [a, b) can decide alone.
 
     Every backward reader of their outputs (and their own recomputation, if any) lies in the
-    segment; they are recomputable, not visible to the caller; and what a recomputation
-    would read is available in the segment (alive at its start, made in it, or another free op's).
+    segment; they are recomputable (or, with `offload`, their outputs offloadable), not visible
+    to the caller; and what a recomputation would read is available in the segment (alive at
+    its start, made in it, or another free op's).
     """
     n_fw = sim.n_forward_steps
     inside = range(a, b)
@@ -60,7 +85,8 @@ def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[i
     cand = set()
     for o in owned:
         op = problem.ops[o]
-        if op.phase is not Phase.FW or not op.recomputable or not op.outputs:
+        movable = offload and all(problem.tensors[t].offloadable for t in op.outputs)
+        if op.phase is not Phase.FW or not (op.recomputable or movable) or not op.outputs:
             continue
         if any(t in problem.visible or problem.tensors[t].kind is not TensorKind.ACTIVATION for t in op.outputs):
             continue
@@ -73,6 +99,8 @@ def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[i
     while changed:  # drop ops whose recomputation would read something gone by the segment's start
         changed = False
         for o in sorted(cand):
+            if not problem.ops[o].recomputable:
+                continue  # never recomputed: what it reads does not matter here
             for t in problem.ops[o].inputs:
                 p = problem.tensors[t].producer
                 if p in cand or problem.tensors[t].kind is not TensorKind.ACTIVATION:
@@ -88,9 +116,11 @@ def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[i
 
 
 class _SegmentModel:
-    def __init__(self, problem: Problem, sim: SimResult, a: int, b: int, free: list[int]):
+    def __init__(self, problem: Problem, sim: SimResult, a: int, b: int, free: list[int],
+                 window: OffloadWindow | None = None):
         self.p, self.sim, self.a, self.b = problem, sim, a, b
         self.free = list(free)
+        self.window = window
         free_set = set(free)
         self.m = m = cp_model.CpModel()
         self.unit = memory_unit(problem)
@@ -103,16 +133,24 @@ class _SegmentModel:
         n = self.n = len(self.fixed) + len(free)
         self.pos = [m.NewIntVar(0, n - 1, f"pos{i}") for i in range(n)]
         self.r = {o: m.NewBoolVar(f"recompute[{problem.ops[o].name}]") for o in free}
+        for o in free:
+            if not problem.ops[o].recomputable:  # free only to be offloaded
+                m.Add(self.r[o] == 0)
         self.rc_index = {o: len(self.fixed) + j for j, o in enumerate(free)}
         self.present = [1] * len(self.fixed) + [self.r[o] for o in free]
         m.AddNoOverlap([self._unit_interval(i) for i in range(n)])
         self.intervals, self.demands = [], []
         self.const_units = 0
-        self.saved_lit: dict[int, cp_model.IntVar] = {}
+        self.saved_lit: dict[int, cp_model.IntVar] = {}  # on the device from its last forward use
+        self.kept_lit: dict[int, cp_model.IntVar] = {}  # saved or offloaded: on the device in the segment
+        self.off: dict[int, cp_model.IntVar] = {}
+        self.window_lit = [m.NewBoolVar(f"prefetch@{k}") for k, _s in window.prefetches] if window else []
+        self.off_at: dict[int, list[cp_model.IntVar]] = {}  # free op -> offloaded and back from each prefetch
         n_fw = sim.n_forward_steps
         self.rc_step = {o: k for k, (o, rc) in enumerate(sim.steps) if rc and k >= n_fw}
         self._tensors(free_set)
         self._workspace()
+        self._offload_limits()
 
     def units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
@@ -210,15 +248,42 @@ class _SegmentModel:
                 m.AddMaxEquality(needed, [self.r[g] for g in free_rd])
             else:
                 m.Add(needed == 0)
-            saved = m.NewBoolVar(f"saved[{f}]")
-            m.AddMinEquality(saved, [needed, rf.Not()])
-            self.saved_lit[f] = saved
+            kept = m.NewBoolVar(f"kept[{f}]")
+            m.AddMinEquality(kept, [needed, rf.Not()])
+            self.kept_lit[f] = self.saved_lit[f] = kept
+            if self._offloadable(f):
+                off, saved = m.NewBoolVar(f"offload[{p.ops[f].name}]"), m.NewBoolVar(f"saved[{f}]")
+                m.Add(saved + off == kept)
+                at = [m.NewBoolVar(f"offload[{f}]@{j}") for j in range(len(self.window_lit))]
+                m.Add(sum(at) == off)
+                for y, w in zip(at, self.window_lit):
+                    m.AddImplication(y, w)
+                self.off[f], self.saved_lit[f], self.off_at[f] = off, saved, at
             for t in p.ops[f].outputs:
                 units = self.units(p.tensors[t].bytes)
                 ends = [(self.pos[i] + 1, None) for i in fixed_readers]
                 ends += [(self.pos[self.rc_index[g]] + 1, self.r[g]) for g in free_rd]
-                self._live(f"s{t}", 0, ends, saved, units)
+                self._live(f"s{t}", 0, ends, kept, units)
                 self._live(f"r{t}", self.pos[i_rc], ends + [(self.pos[i_rc] + 1, None)], rf, units)
+
+    def _offloadable(self, f: int) -> bool:
+        tensors = [self.p.tensors[t] for t in self.p.ops[f].outputs]
+        return self.window is not None and all(t.offloadable and t.bytes > 0 for t in tensors)
+
+    def _copy_ns(self, f: int) -> int:
+        return cost_ns(sum(self.p.tensors[t].bytes for t in self.p.ops[f].outputs) / self.p.host_bw)
+
+    def _offload_limits(self) -> None:
+        """Host memory, and copies no longer than the compute that hides them (both directions)."""
+        if not self.off:
+            return
+        w, m = self.window, self.m
+        m.AddAtMostOne(self.window_lit)
+        if w.host_left is not None:
+            m.Add(sum(sum(self.p.tensors[t].bytes for t in self.p.ops[f].outputs) * x for f, x in self.off.items())
+                  <= max(0, w.host_left))
+        for j, (_k, copy_left_s) in enumerate(w.prefetches):
+            m.Add(sum(self._copy_ns(f) * at[j] for f, at in self.off_at.items()) <= max(0, int(copy_left_s / 1e-9)))
 
     def _pinned(self, key: tuple[int, bool]) -> bool:
         t = self.p.tensors[key[0]]
@@ -235,9 +300,10 @@ class _SegmentModel:
                 i = self.rc_index[f]
                 self._live(f"ws{i}", self.pos[i], [(self.pos[i] + 1, None)], self.r[f], self.units(w))
 
-    def outside_terms(self) -> list[tuple[int, list[int]]]:
-        """(bytes at a step before the segment with no free op saved, free ops whose saving adds to it),
-        the largest per distinct set: a saved output lives from its last forward use to the segment."""
+    def outside_terms(self) -> list[tuple[int, list[int], tuple[int, ...]]]:
+        """(bytes at a step before the segment with no free op kept, free outputs whose keeping adds to
+        it, the prefetches from which offloaded ones count too), the largest per distinct set: a saved
+        output lives from its last forward use to the segment, an offloaded one from its prefetch."""
         p, sim, a = self.p, self.sim, self.a
         n_fw = sim.n_forward_steps
         fw_pos = {o: k for k, (o, _rc) in enumerate(sim.steps[:n_fw])}
@@ -246,21 +312,33 @@ class _SegmentModel:
             for t in p.ops[o].inputs:
                 if t in last_fw:
                     last_fw[t] = max(last_fw[t], k)
-        best: dict[tuple[int, ...], int] = {}
-        for k in range(a):
-            counted = [t for t in last_fw if last_fw[t] < k and sim.spans.get((t, False), (0, -1))[1] >= k]
-            base = sim.timeline[k] - sum(p.tensors[t].bytes for t in counted)
-            pattern = tuple(sorted(t for t in last_fw if last_fw[t] < k))
-            best[pattern] = max(best.get(pattern, 0), base)
-        if sim.boundary_bytes:
-            counted = [t for t in last_fw if last_fw[t] < n_fw and sim.spans.get((t, False), (0, -1))[1] >= n_fw]
-            pattern = tuple(sorted(t for t in last_fw if last_fw[t] < n_fw))
-            base = sim.boundary_bytes - sum(p.tensors[t].bytes for t in counted)
-            best[pattern] = max(best.get(pattern, 0), base)
-        return [(base, list(pattern)) for pattern, base in best.items() if pattern]
+        on_device: dict[int, list[tuple[int, int]]] = {}  # free output -> its copies' steps now
+        for lt in sim.lifetimes:
+            if lt.tensor in last_fw and not lt.recomputed:
+                on_device.setdefault(lt.tensor, []).append((lt.start, lt.end))
+        prefetches = [k for k, _s in self.window.prefetches] if self.window is not None else []
 
-    def outside_expr(self, tensors: list[int]):
-        return sum(self.units(self.p.tensors[t].bytes) * self.saved_lit[self.owner[t]] for t in tensors)
+        def term(k: int, live_now: int) -> tuple[tuple, int]:
+            pattern = tuple(sorted(t for t in last_fw if last_fw[t] < k))
+            counted = [t for t in pattern if any(s <= k <= e for s, e in on_device.get(t, ()))]
+            back = tuple(j for j, kj in enumerate(prefetches) if kj <= k)
+            return (pattern, back), live_now - sum(p.tensors[t].bytes for t in counted)
+
+        best: dict[tuple, int] = {}
+        for k in range(a):
+            key, base = term(k, sim.timeline[k])
+            best[key] = max(best.get(key, 0), base)
+        if sim.boundary_bytes:  # offloaded outputs are on the host while the caller computes its loss
+            (pattern, _back), base = term(n_fw, sim.boundary_bytes)
+            best[(pattern, ())] = max(best.get((pattern, ()), 0), base)
+        return [(base, list(pattern), back) for (pattern, back), base in best.items() if pattern]
+
+    def outside_expr(self, tensors: list[int], back: tuple[int, ...] = ()):
+        """What keeping `tensors` adds at a step: saved ones, and offloaded ones back from a prefetch in `back`."""
+        def on_device(f: int):
+            at = self.off_at.get(f)
+            return self.saved_lit[f] + (sum(at[j] for j in back) if at and back else 0)
+        return sum(self.units(self.p.tensors[t].bytes) * on_device(self.owner[t]) for t in tensors)
 
     def hint(self) -> None:
         rc_now = {o: k for k, (o, rc) in enumerate(self.sim.steps[self.a:self.b]) if rc}
@@ -269,16 +347,22 @@ class _SegmentModel:
         for f in self.free:
             self.m.AddHint(self.r[f], f in rc_now)
             self.m.AddHint(self.pos[self.rc_index[f]], rc_now.get(f, 0))
+        for f, x in self.off.items():
+            self.m.AddHint(x, f not in rc_now and any(t in self.sim.offloads for t in self.p.ops[f].outputs))
 
-    def recompute_ns(self):
-        return sum(cost_ns(self.p.ops[f].time_s) * self.r[f] for f in self.free)
+    def time_ns(self):
+        """Recomputation, plus OFFLOAD_PENALTY of every offload's copy time."""
+        return sum(cost_ns(self.p.ops[f].time_s) * self.r[f] for f in self.free) + sum(
+            max(1, int(OFFLOAD_PENALTY * self._copy_ns(f))) * x for f, x in self.off.items())
 
     def extract(self, solver: cp_model.CpSolver, status: str, peak_units: int) -> SegmentPlan:
         chosen = {f for f in self.free if solver.Value(self.r[f])}
         present = list(range(len(self.fixed))) + [self.rc_index[f] for f in self.free if f in chosen]
         present.sort(key=lambda i: solver.Value(self.pos[i]))
         steps = [self.fixed[i] if i < len(self.fixed) else (self.free[i - len(self.fixed)], True) for i in present]
-        return SegmentPlan(steps, chosen, status, peak_units)
+        offload = {f for f, x in self.off.items() if solver.Value(x)}
+        back = [k for (k, _s), w in zip(self.window.prefetches, self.window_lit) if solver.Value(w)] if offload else []
+        return SegmentPlan(steps, chosen, status, peak_units, offload, back[0] if back else None)
 
 
 def replan_segment(
@@ -291,24 +375,26 @@ def replan_segment(
     *,
     time_limit_s: float = 2.0,
     workers: int = 2,
+    window: OffloadWindow | None = None,
 ) -> SegmentPlan | None:
-    """The segment [a, b) replanned: least recompute time within `budget_bytes`, or (None) lowest peak.
+    """The segment [a, b) replanned: least recompute time within `budget_bytes`, or (None) lowest peak;
+    with `window`, free ops' outputs may be offloaded too.
 
     None when the model finds nothing (no plan within the budget in this model, or no time)."""
     if b - a < 1 or a < sim.n_forward_steps:
         return None
-    model = _SegmentModel(problem, sim, a, b, free)
+    model = _SegmentModel(problem, sim, a, b, free, window)
     m, unit = model.m, model.unit
     outside = model.outside_terms()
-    top = sum(model.demands) + model.const_units + max((base for base, _ in outside), default=0) // unit + 1
+    top = sum(model.demands) + model.const_units + max((base for base, _, _ in outside), default=0) // unit + 1
     if budget_bytes is not None:
         cap = budget_bytes // unit - model.const_units
         if cap < 0:
             return None
         m.AddCumulative(model.intervals, model.demands, cap)
-        for base, tensors in outside:
-            m.Add(model.outside_expr(tensors) <= budget_bytes // unit - model.units(base))
-        m.Minimize(model.recompute_ns())
+        for base, tensors, back in outside:
+            m.Add(model.outside_expr(tensors, back) <= budget_bytes // unit - model.units(base))
+        m.Minimize(model.time_ns())
         model.hint()
         solver = make_solver(time_limit_s, workers)
         status = run_solver(solver, m)
@@ -319,8 +405,8 @@ def replan_segment(
     inner = m.NewIntVar(0, top, "inner")
     m.Add(peak >= inner + model.const_units)
     m.AddCumulative(model.intervals, model.demands, inner)
-    for base, tensors in outside:
-        m.Add(peak >= model.outside_expr(tensors) + model.units(base))
+    for base, tensors, back in outside:
+        m.Add(peak >= model.outside_expr(tensors, back) + model.units(base))
     m.Minimize(peak)
     model.hint()
     solver = make_solver(0.6 * time_limit_s, workers)
@@ -333,8 +419,10 @@ def replan_segment(
     m.ClearHints()
     for f in model.free:
         m.AddHint(model.r[f], f in first.recompute)
+    for f, x in model.off.items():
+        m.AddHint(x, f in first.offload)
     m.Add(peak <= best_peak)
-    m.Minimize(model.recompute_ns())
+    m.Minimize(model.time_ns())
     solver = make_solver(0.4 * time_limit_s, workers)
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -6,7 +6,9 @@ replans it whole with solvers/cpsat/segment.py (order and save/recompute togethe
 rest of the plan held), and keeps the result when the simulator says it is better. When the
 segment is a repeated block's, the same change is tried on every other block of that
 shape at once: a block solved once serves the whole chain, which keeps planning time
-linear in depth.
+linear in depth. With `offload=True` (the problem has host bandwidth), each segment model also
+decides which of its activations go to the host and back (prefetched one copy time ahead of
+the segment), and the plan's offloads are carried through every change.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..model import clock
-from ..cpsat.segment import free_ops, replan_segment
+from ..cpsat.segment import OffloadWindow, free_ops, replan_segment
 from ..model.problem import Problem, Schedule
 from ..model.simulator import ScheduleError, SimResult, simulate
 from .blocks import Groups, find_groups, op_signature, segments
 
 SEGMENT_S = 2.0  # the most one segment model may take
+PREFETCH_LEAD = 1.0  # a segment's offloads come back this many copy times of compute before it
+PREFETCH_SHARES = (0.25, 0.5, 1.0)  # the prefetch steps a segment model chooses from: hiding these shares of
+# copying all it may offload
 
 
 def _fits(sim: SimResult, budget: int | None) -> bool:
@@ -36,10 +41,53 @@ def better(a: SimResult, b: SimResult, budget: int | None) -> bool:
     return (a.peak_bytes, round(a.time_s, 12)) < (b.peak_bytes, round(b.time_s, 12))
 
 
-def splice(problem: Problem, sim: SimResult, a: int, b: int, new: list[tuple[int, bool]]) -> Schedule:
+def splice(
+    problem: Problem, sim: SimResult, a: int, b: int, new: list[tuple[int, bool]],
+    redecided: set[int] = frozenset(), offloaded: dict[int, int] | None = None,
+) -> Schedule:
+    """The plan of `sim` with steps [a, b) replaced by `new`. Its offloads stay (a prefetch inside the
+    segment moves to its start, later ones shift), but for the tensors in `redecided`: those are
+    offloaded as `offloaded` says (tensor -> global prefetch step, at or before `a`), or not at all."""
     n_fw = sim.n_forward_steps
     steps = sim.steps[n_fw:a] + new + sim.steps[b:]
-    return Schedule([o for o, _ in sim.steps[:n_fw]], [o for o, _ in steps])
+    offload: dict[int, int] = {}
+    for t, ev in sim.offloads.items():
+        if t in redecided:
+            continue
+        k = ev.prefetch
+        offload[t] = (k if k < a else a if k < b else k + len(new) - (b - a)) - n_fw
+    offload.update((t, k - n_fw) for t, k in (offloaded or {}).items())
+    return Schedule([o for o, _ in sim.steps[:n_fw]], [o for o, _ in steps], offload)
+
+
+def offload_window(problem: Problem, sim: SimResult, a: int, free: list[int]) -> OffloadWindow | None:
+    """Where segment [a, b)'s offloads come back from, and what host memory and copy time is left for
+    them; None when nothing of `free` can go to the host."""
+    if problem.host_bw <= 0:
+        return None
+    mine = {t for f in free for t in problem.ops[f].outputs}
+    movable = sum(problem.tensors[t].bytes for t in mine if problem.tensors[t].offloadable)
+    if not movable:
+        return None
+    n_fw = sim.n_forward_steps
+    others = sum(problem.tensors[t].bytes for t in sim.offloads if t not in mine)
+    host_left = None if problem.host_budget_bytes is None else problem.host_budget_bytes - others
+    forward_left = sum(problem.ops[o].time_s for o, _ in sim.steps[:n_fw]) - others / problem.host_bw
+    options: dict[int, float] = {}
+    for share in PREFETCH_SHARES:
+        k = prefetch_step(problem, sim, a, int(share * movable))
+        options[k] = min(sum(problem.ops[o].time_s for o, _ in sim.steps[k:a]), forward_left)
+    return OffloadWindow(tuple(sorted(options.items(), reverse=True)), host_left)
+
+
+def prefetch_step(problem: Problem, sim: SimResult, a: int, nbytes: int) -> int:
+    """The latest step (not before the backward) with PREFETCH_LEAD copy times of `nbytes` of compute before `a`."""
+    need = PREFETCH_LEAD * nbytes / problem.host_bw
+    k, ahead = a, 0.0
+    while k > sim.n_forward_steps and ahead < need:
+        k -= 1
+        ahead += problem.ops[sim.steps[k][0]].time_s
+    return k
 
 
 def improve_by_segments(
@@ -51,9 +99,11 @@ def improve_by_segments(
     workers: int = 2,
     on_step: Callable[[str], None] | None = None,
     max_rounds: int = 200,
+    offload: bool = False,
 ) -> tuple[Schedule, bool]:
     """The best plan reached from `schedule` by replanning segments (never worse than `schedule`), and
-    whether the deadline cut the search short (False: no segment change helps any more)."""
+    whether the deadline cut the search short (False: no segment change helps any more). `offload`:
+    segments may offload their activations too (when the problem has host bandwidth)."""
     groups = find_groups(problem, schedule.fw_order)
     best, bsim = schedule, simulate(problem, schedule)
     tried: set[tuple] = set()
@@ -69,21 +119,29 @@ def improve_by_segments(
             if state in tried:
                 continue
             tried.add(state)
-            free = free_ops(problem, bsim, a, b, groups.members[g])
-            res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=min(left, SEGMENT_S), workers=workers)
+            free = free_ops(problem, bsim, a, b, groups.members[g], offload=offload and problem.host_bw > 0)
+            window = offload_window(problem, bsim, a, free) if offload else None
+            limit = min(left, SEGMENT_S)
+            res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=limit, workers=workers, window=window)
             if res is None and not fits:
-                res = replan_segment(problem, bsim, a, b, free, None, time_limit_s=min(left, SEGMENT_S), workers=workers)
+                res = replan_segment(problem, bsim, a, b, free, None, time_limit_s=limit, workers=workers, window=window)
             if res is None:
                 continue
-            cand = splice(problem, bsim, a, b, res.steps)
-            csim = simulate(problem, cand)
+            outs = {t for f in free for t in problem.ops[f].outputs}
+            back = {t: res.prefetch_step for f in res.offload for t in problem.ops[f].outputs} if window else {}
+            cand = splice(problem, bsim, a, b, res.steps, outs if window else set(), back)
+            try:
+                csim = simulate(problem, cand)
+            except ScheduleError:  # an offload the replay refuses (host budget): not kept
+                continue
             if not better(csim, bsim, budget):
                 continue
             best, bsim, improved = cand, csim, True
             if on_step:
                 on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
             if g in groups.block_set:
-                best, bsim = _copy_to_siblings(problem, groups, best, bsim, g, state[0], budget)
+                moved = (free, res.offload) if window else None
+                best, bsim = _copy_to_siblings(problem, groups, best, bsim, g, state[0], budget, moved)
             break
         if not improved:
             return best, False
@@ -112,9 +170,11 @@ def _priority(problem: Problem, sim: SimResult, groups: Groups, segs, budget: in
     return [(a, b, g) for t, a, b, g in sorted(rc_time) if t < 0]
 
 
-def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, g: int, old_steps, budget):
+def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, g: int, old_steps, budget,
+                      moved: tuple[list[int], set[int]] | None = None):
     """Apply the change made to block `g`'s segment (whose steps were `old_steps`) to every other
-    block's of the same shape, one at a time, each kept when the simulator says it is better."""
+    block's of the same shape, one at a time, each kept when the simulator says it is better.
+    `moved`: (the free ops whose offloading was decided, those offloaded), when offloads were."""
     segs_now = {s[2]: s for s in segments(problem, sim, groups)}
     if g not in segs_now:
         return sched, sim
@@ -131,7 +191,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             continue
         fw_map = dict(zip(groups.members[g], groups.members[h]))
         mapped = _translate(solved, old_index, target_old, fw_map)
-        trial = None if mapped is None else _replace(sim, target_old, mapped)
+        trial = None if mapped is None else _replace(problem, sim, target_old, mapped, _map_offloads(problem, moved, fw_map))
         if trial is None:
             continue
         try:
@@ -165,8 +225,20 @@ def _translate(solved, old_index: dict, target_old: list, fw_map: dict) -> list 
     return out
 
 
-def _replace(sim: SimResult, old: list, new: list) -> Schedule | None:
-    """The plan with the run of steps `old` (found in its backward) replaced by `new`."""
+def _map_offloads(problem: Problem, moved, fw_map: dict) -> tuple[set[int], set[int]] | None:
+    """(tensors whose offloading is redecided, tensors offloaded) in the block `fw_map` leads to."""
+    if moved is None:
+        return None
+    free, offloaded = moved
+    if any(f not in fw_map for f in free):
+        return None
+    outs = {t for f in free for t in problem.ops[fw_map[f]].outputs}
+    return outs, {t for f in offloaded for t in problem.ops[fw_map[f]].outputs}
+
+
+def _replace(problem: Problem, sim: SimResult, old: list, new: list, offloads=None) -> Schedule | None:
+    """The plan with the run of steps `old` (found in its backward) replaced by `new`; `offloads`:
+    (tensors whose offloading is redecided, those offloaded: prefetched ahead of the run)."""
     n_fw = sim.n_forward_steps
     steps = sim.steps
     for k in range(n_fw, len(steps) - len(old) + 1):
@@ -174,5 +246,9 @@ def _replace(sim: SimResult, old: list, new: list) -> Schedule | None:
             bw = steps[n_fw:k] + new + steps[k + len(old):]
             if len(set(bw)) != len(bw):
                 return None
-            return Schedule([o for o, _ in steps[:n_fw]], [o for o, _ in bw])
+            if offloads is None:
+                return splice(problem, sim, k, k + len(old), new)
+            redecided, off = offloads
+            back = prefetch_step(problem, sim, k, sum(problem.tensors[t].bytes for t in off)) if off else k
+            return splice(problem, sim, k, k + len(old), new, redecided, dict.fromkeys(off, back))
     return None

@@ -168,16 +168,17 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 best, stats, lowest = _solve_training_scalable(problem, budget_bytes, whole_s, workers, line)
             if early is not None:
                 best, stats, lowest = _merge(problem, budget_bytes, best, stats, lowest, early)
+            if offload:  # a first offloading plan from the greedy ladder, for the segment search to refine
+                line.note("mixing offload and recomputation")
+                ladder_end = min(clock.now() + OFFLOAD_SHARE * time_limit_s, t0 + SEARCH_SHARE * time_limit_s)
+                best, stats, lowest = _with_offloads(problem, budget_bytes, best, stats, lowest, ladder_end)
             if budget_bytes is not None:
                 line.note("planning block by block")
-                best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest, t0 + search_s, workers)
+                best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
+                                                             t0 + SEARCH_SHARE * time_limit_s, workers, offload=offload)
                 cut = cut or cut_late
-            if offload:
-                line.note("mixing offload and recomputation")
-                best, stats, lowest = _with_offloads(problem, budget_bytes, best, stats, lowest,
-                                                     t0 + SEARCH_SHARE * time_limit_s)
-                if best is not None:
-                    _weaken_to_offload_space(problem, stats)
+            if offload and best is not None:
+                _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
                 _certify(problem, best, budget_bytes, stats, time_limit_s - (clock.now() - t0), workers)
         else:
@@ -198,12 +199,14 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
     return Solution(best, sim, stats, baseline, budget_bytes, lower)
 
 
-def _merge(problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, other: Schedule):
+def _merge(problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, other: Schedule,
+           method: str | None = None):
     """(best, its stats, lowest) with one more plan considered."""
     kept_best = None if best is None else _Candidate(best, simulate(problem, best), stats)
     kept_lowest = _Candidate(lowest, simulate(problem, lowest), stats)
     sim = simulate(problem, other)
-    cand = _Candidate(other, sim, _heuristic_stats(problem, sim, "segment search (order and save/recompute per block)"))
+    method = method or "segment search (order and save/recompute per block)"
+    cand = _Candidate(other, sim, _heuristic_stats(problem, sim, method))
     kept_best, kept_lowest = _keep(kept_best, kept_lowest, cand, budget)
     if kept_best is None:
         return None, stats, kept_lowest.schedule
@@ -211,14 +214,18 @@ def _merge(problem: Problem, budget: int, best: Schedule | None, stats: SolveSta
 
 
 def _by_segments(
-    problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float, workers: int
+    problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float,
+    workers: int, offload: bool = False,
 ) -> tuple[Schedule | None, SolveStats, Schedule, bool]:
     """The segment search from the plan found when it fits (to make it faster), else from the lowest
-    plan found (to make one fit). Last: whether the deadline cut it short."""
+    plan found (to make one fit); `offload`: segments decide offloads too. Last: whether the deadline
+    cut it short."""
     if deadline - clock.now() < 0.1:
         return best, stats, lowest, True
-    found, cut = improve_by_segments(problem, best if best is not None else lowest, budget, deadline=deadline, workers=workers)
-    return (*_merge(problem, budget, best, stats, lowest, found), cut)
+    found, cut = improve_by_segments(problem, best if best is not None else lowest, budget, deadline=deadline,
+                                     workers=workers, offload=offload)
+    method = "segment search (order, save/recompute and offload per block)" if offload else None
+    return (*_merge(problem, budget, best, stats, lowest, found, method), cut)
 
 
 def _solve_forward_only(

@@ -267,6 +267,7 @@ MAY_BE_MISSING = {
     "created",
     "made_for.budget_from", "made_for.budget_resolved_bytes", "made_for.budget_reference", "made_for.outputs",
     "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage", "summary.bound_valid_for",
+    "summary.chunks",  # written since issue 16 (chunking)
     "timeline.unplanned_steps_per_point", "timeline.unplanned_n_steps", "timeline.unplanned_n_forward_steps",
 }
 NAME_KEYED = {"costs", "decisions.offload"}  # objects keyed by op or tensor names, not by field names

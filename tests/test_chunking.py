@@ -211,3 +211,17 @@ def test_the_planner_chunks_at_a_budget_only_chunking_meets():
     assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= SCALAR_SLACK
     assert measured.peak_bytes <= budget
     _close(measured.grads, grads)
+
+
+def test_a_chunked_plan_file_replays_the_chunked_graph(tmp_path):
+    model, inputs = _gpt()
+    _, grads = _eager(model, inputs)
+    path = tmp_path / "chunked.json"
+    solved = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=4, plan=path).plan
+    loaded = optsched.optimize(model, example_inputs=inputs, plan=path)  # chunking off: the file decides
+    plan = loaded.plan
+    assert any(n.startswith("loaded from") for n in plan.stats.notes)
+    assert plan.summary()["chunks"] == {"lm_head": 4} and plan.predicted_peak_bytes == solved.predicted_peak_bytes
+    measured = measure_training_step(loaded, model, inputs)
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= SCALAR_SLACK
+    _close(measured.grads, grads)

@@ -5,9 +5,9 @@ gradients against eager's):
 
 1. forced: the step with the LM head in 1 (as captured), 8, 32 and 64 chunks.
 2. choice: what the planner picks at three budgets (none, 50% and 25% of the unplanned peak).
-3. chunk or recompute: budgets going down from the unplanned peak, planned with recomputation only
-   (chunking=False) until its plan recomputes a matmul (or no plan fits); at that budget, the planner
-   with chunking on, both plans' estimated times side by side.
+3. chunk or recompute: budgets going down from the unplanned peak, planned with chunking on, until its
+   1-chunk candidate (recomputation only, planned with the same op costs for the same budget) recomputes
+   a matmul or no longer fits; both plans' estimated times side by side, and the chosen plan measured.
 
     python -m benchmarks.chunking            # writes benchmarks/results/chunking.json
     python -m benchmarks.chunking --quick    # a small vocabulary, for a smoke run
@@ -32,7 +32,7 @@ RESULTS = Path(__file__).parent / "results"
 MATMUL = re.compile(r"^(mm|addmm|bmm|baddbmm|_scaled_dot_product)")
 FORCED = (1, 8, 32, 64)
 CHOICE_FRACTIONS = (None, 0.5, 0.25)
-RECOMPUTE_FRACTIONS = (0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8)
+RECOMPUTE_FRACTIONS = (0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8, 0.75, 0.7)
 
 
 def _timed_step(call, model, inputs):
@@ -143,30 +143,40 @@ def main(argv: list[str] | None = None) -> dict:
         choice.append(row)
     _print_rows("2. the planner's choice (chunking on) at three budgets", choice)
 
+    # 3: the planner with chunking on at budgets going down; its 1-chunk trial is the recompute-only plan,
+    # planned with the same op costs for the same budget
     sweep = []
     at = None
     for f in RECOMPUTE_FRACTIONS:
-        row = run_case(model, inputs, eager, int(f * unplanned), False, args.time_limit, args.repeat, measure=False)
+        row = run_case(model, inputs, eager, int(f * unplanned), True, args.time_limit, args.repeat, measure=False)
         row["fraction"] = f
         sweep.append(row)
-        if row.get("infeasible") or row["recomputed_matmuls"]:
+        if row.get("infeasible"):
+            break
+        one = next(t for t in row["trials"] if t["chunks"] == 1)
+        if not one["fits"] or any(MATMUL.match(n) for n in one["recomputed"]):
             at = row
             break
-    _print_rows("3a. recomputation only (chunking=False), budgets going down", sweep)
+    print("\n3. chunk or recompute: the planner (chunking on) at budgets going down; 'recompute only' is its "
+          "1-chunk candidate")
+    print(f"{'budget MiB':>10} | {'recompute only: est ms':>22} {'recomp':>6} {'matmuls':>7} | {'chosen chunks':>13} "
+          f"{'est ms':>7} {'recomp':>6} {'matmuls':>7}")
+    for r in sweep:
+        if r.get("infeasible"):
+            print(f"{_mib(r['budget_bytes']):>10} | no plan fits")
+            continue
+        one = next(t for t in r["trials"] if t["chunks"] == 1)
+        rec = f"{one['estimated_time_s'] * 1e3:>22.0f} {one['n_recomputed']:>6} " \
+              f"{sum(bool(MATMUL.match(n)) for n in one['recomputed']):>7}" if one["fits"] else f"{'does not fit':>37}"
+        print(f"{_mib(r['budget_bytes']):>10} | {rec} | {r['chunks']:>13} {r['estimated_time_s'] * 1e3:>7.0f} "
+              f"{r['n_recomputed']:>6} {len(r['recomputed_matmuls']):>7}")
     compare = None
     if at is not None:
-        chunked = run_case(model, inputs, eager, at["budget_bytes"], True, args.time_limit, args.repeat)
-        recompute = at if at.get("infeasible") else run_case(model, inputs, eager, at["budget_bytes"], False,
-                                                             args.time_limit, args.repeat)
-        compare = {"budget_bytes": at["budget_bytes"], "fraction": at["fraction"], "recompute_only": recompute,
-                   "chunking_on": chunked}
-        _print_rows(f"3b. at {_mib(at['budget_bytes'])} MiB ({at['fraction']:.0%}): recomputation only, then chunking on",
-                    [recompute, chunked])
-        if not recompute.get("infeasible") and not chunked.get("infeasible"):
-            print(f"estimated: recompute-only {recompute['estimated_time_s'] * 1e3:.0f} ms "
-                  f"({len(recompute['recomputed_matmuls'])} matmuls recomputed), chunking on "
-                  f"{chunked['estimated_time_s'] * 1e3:.0f} ms at {chunked['chunks']} chunks "
-                  f"({len(chunked['recomputed_matmuls'])} matmuls recomputed)")
+        measured = run_case(model, inputs, eager, at["budget_bytes"], True, args.time_limit, args.repeat)
+        compare = {"budget_bytes": at["budget_bytes"], "fraction": at["fraction"], "planned": at,
+                   "recompute_only": next(t for t in at["trials"] if t["chunks"] == 1), "measured_run": measured}
+        _print_rows(f"3b. at {_mib(at['budget_bytes'])} MiB ({at['fraction']:.0%}), chunking on, planned again and "
+                    "measured", [measured])
     result = {
         "config": {"vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
                    "batch": batch, "seq": seq, "quick": args.quick, "time_limit_s": args.time_limit,

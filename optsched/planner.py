@@ -274,7 +274,8 @@ class Planner:
         plan.chunk_trials = [
             {"chunks": c[0], "fits": c[1] is not None, "predicted_peak_bytes": c[1].sim.peak_bytes if c[1] else None,
              "estimated_time_s": c[1].sim.time_s if c[1] else None,
-             "n_recomputed": len(c[1].sim.recomputed_ops) if c[1] else None}
+             "n_recomputed": len(c[1].sim.recomputed_ops) if c[1] else None,
+             "recomputed": sorted(c[1].problem.ops[i].name for i in c[1].sim.recomputed_ops) if c[1] else None}
             for c in tried
         ]
         if g is not None:  # the caller lowers gm with jg: make them the chunked graph's
@@ -295,7 +296,7 @@ class Planner:
         reuse = {k: v for k, v in reuse_candidates(jg).items() if k in {n.name for n in new}}
         by_name = {n.name: n for n in sub.graph.nodes}
         reuse = {k: by_name[v.name] for k, v in reuse.items() if not isinstance(v, list) and v.name in by_name}
-        measured = profile_nodes(sub, self.target.device, reuse, repeat=1)  # one op of seconds: one timed run
+        measured = profile_nodes(sub, self.target.device, reuse, repeat=2)
         return NodeCosts({**costs.times, **measured.times}, {**costs.workspace, **measured.workspace},
                          {**costs.reuse_ok, **measured.reuse_ok}, costs.scratch_measured and measured.scratch_measured)
 

@@ -41,7 +41,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
 	$(BIN)/python -m benchmarks.zoo
 
-# notebooks/: every notebook at full size, outputs and plots written into the files (about 15 minutes)
+# notebooks/: every notebook at full size, outputs and plots written into the files (about 12 minutes)
 notebooks: setup
 	$(BIN)/python notebooks/execute.py
 

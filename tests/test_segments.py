@@ -215,3 +215,17 @@ def test_offloading_plans_are_deterministic():
     budget = int(0.45 * simulate(p, default_schedule(p)).peak_bytes)
     a, b = (solve(p, budget, time_limit_s=1.0, deterministic=True) for _ in range(2))
     assert a.schedule.to_dict() == b.schedule.to_dict()
+
+
+@pytest.mark.parametrize("host_bw", [0.0, 5e9])
+def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
+    """Deterministic mode: a user who asks for the lowest peak an error reported gets a plan."""
+    p = chain_training_problem(n_layers=30, act_bytes=64 * KIB, seed=1, host_bw=host_bw)
+    lo = lower_bound_peak(p)
+    base = simulate(p, default_schedule(p)).peak_bytes
+    with pytest.raises(BudgetInfeasibleError) as e:
+        solve(p, lo + (base - lo) // 50, time_limit_s=0.3, deterministic=True)
+    low = e.value.lowest_peak_bytes
+    assert simulate(p, e.value.lowest_schedule).peak_bytes == low
+    sol = solve(p, low, time_limit_s=0.3, deterministic=True)
+    assert sol.sim.peak_bytes <= low

@@ -40,6 +40,7 @@ WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; 
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
 EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
+LOWEST_SHARE = 0.2  # of the time limit, for the budget-blind lowest-peak search when nothing fits
 
 
 class BudgetInfeasibleError(Exception):
@@ -177,6 +178,9 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
                                                              t0 + SEARCH_SHARE * time_limit_s, workers, offload=offload)
                 cut = cut or cut_late
+            if best is None and budget_bytes is not None:
+                line.note("searching for the lowest peak")
+                best, stats, lowest = _lowest_fallback(problem, budget_bytes, lowest, time_limit_s, workers)
             if offload and best is not None:
                 _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
@@ -226,6 +230,23 @@ def _by_segments(
                                      workers=workers, offload=offload)
     method = "segment search (order, save/recompute and offload per block)" if offload else None
     return (*_merge(problem, budget, best, stats, lowest, found, method), cut)
+
+
+def _lowest_fallback(
+    problem: Problem, budget: int, lowest: Schedule, time_limit_s: float, workers: int
+) -> tuple[Schedule | None, SolveStats, Schedule]:
+    """When nothing fits: the lowest-peak plan of a search that does not look at the budget (from the
+    program as captured, every segment replanned for the least peak, offloads when allowed), kept when
+    it fits or is the lowest seen. Being blind to the budget, in deterministic mode it reaches the same
+    peak whatever the budget: asking for the lowest peak an error reported finds that plan."""
+    found, _cut = improve_by_segments(problem, default_schedule(problem), 0, deadline=clock.now() + LOWEST_SHARE * time_limit_s,
+                                      workers=workers, offload=problem.host_bw > 0)
+    sim = simulate(problem, found)
+    if sim.peak_bytes < simulate(problem, lowest).peak_bytes:
+        lowest = found
+    if sim.peak_bytes <= budget:
+        return found, _heuristic_stats(problem, sim, "lowest-peak segment search"), lowest
+    return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat"), lowest
 
 
 def _solve_forward_only(

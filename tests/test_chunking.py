@@ -225,3 +225,15 @@ def test_a_chunked_plan_file_replays_the_chunked_graph(tmp_path):
     measured = measure_training_step(loaded, model, inputs)
     assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= SCALAR_SLACK
     _close(measured.grads, grads)
+
+
+def test_roofline_costs_charge_every_chunk():
+    """With a named profile (no measurement) the chunked op costs its chunks' weight traffic and launches."""
+    model, inputs = _gpt()
+    opt = optsched.optimize(model, "60%", example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=True,
+                            device_profile="h100")
+    plan = opt.plan
+    assert plan.timing == "roofline" and plan.summary()["chunks"]["lm_head"] > 1
+    fitting = [t for t in plan.chunk_trials if t["fits"]]
+    assert len(fitting) >= 2 and fitting[0]["estimated_time_s"] < fitting[1]["estimated_time_s"]
+    assert plan.summary()["chunks"]["lm_head"] == fitting[0]["chunks"]  # the fewest chunks that fit: fastest

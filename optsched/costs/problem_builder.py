@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .profiles import DeviceProfile, NodeCosts, node_time
+from .profiles import DeviceProfile, NodeCosts, node_flops, node_time
+from ..lower.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..capture.output_usage import OutputUsage, tangent_outputs
@@ -231,6 +232,21 @@ def order_writes(jg: JointGraph, nodes: list[fx.Node], ops: list[Op], tensors: l
     return new_ops, tensors
 
 
+def _roofline(node: fx.Node, profile: DeviceProfile) -> float:
+    """The profile's roofline time; the chunked LM head + cross-entropy (lower/chunked_ce.py) as its k chunks
+    run: each reads the weight twice and reads and writes the weight's gradient, and launches its kernels."""
+    if node.target is not CHUNKED_CE:
+        return node_time(node, profile)
+    hidden, weight_t, chunks = (node.args[0].meta["val"], node.args[1].meta["val"], node.args[3])
+    rows, h = hidden.shape
+    vocab, size = weight_t.shape[1], hidden.element_size()
+    k = max(1, min(int(chunks), int(rows)))
+    traffic = size * (4 * k * vocab * h + 6 * rows * vocab + 3 * rows * h)
+    half = hidden.dtype in (torch.float16, torch.bfloat16)
+    compute = node_flops(node) / (profile.half_flops if half else profile.fp32_flops)
+    return max(compute, traffic / profile.mem_bw) + k * KERNELS_PER_CHUNK * profile.launch_s
+
+
 def build_problem(
     jg: JointGraph,
     profile: DeviceProfile,
@@ -273,7 +289,7 @@ def build_problem(
                 phase=jg.phase[node],
                 inputs=reads,
                 outputs=tuple(outs),
-                time_s=measured.times[node.name] if measured and node.name in measured.times else node_time(node, profile),
+                time_s=measured.times[node.name] if measured and node.name in measured.times else _roofline(node, profile),
                 recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
                 reuse=_reuse(jg, node, outs) if measured and measured.reuse_ok.get(node.name) else (),
                 reuse_all=is_foreach_reuse(node),

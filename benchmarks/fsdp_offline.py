@@ -20,8 +20,11 @@ on one CPU process, and would not change the plan):
   An upper bound: transient buffers that never coincide are added.
 - Budgets: the fixed terms (everything but the blocks' activations) + 75%, 50% and 30% of what the blocks'
   activations add to them with the fastest block plan.
-- The block budget is the largest whose plan keeps that total within the per-rank budget (bisection with the
-  solver on the block's problem, then the block planned for it with `plan_offline` and the total checked).
+- The block plan is the fastest whose total fits the per-rank budget (`choose_block_plan`): the solver's plan for
+  the largest block budget that fits (bisection over the block's peak), or a whole-block schedule (full
+  recomputation of the block, i.e. per-block activation checkpointing; block checkpoints; sqrt segments),
+  which keeps fewer activations per block, and 32 blocks multiply them. Then the block is planned with
+  `plan_offline` for that choice and the total checked.
 - Time per step = 32 x the block plan's estimated time + the root's (roofline, h100). Communication (all-gathers,
   reduce-scatters over NVLink) is not modelled: FSDP2 overlaps it with compute on separate streams.
 - Optimizer states (AdamW: 2 x the shards in fp32) live outside the step and are not counted; mixed precision
@@ -118,7 +121,8 @@ def run(args) -> dict:
     from benchmarks.models import llama
     from optsched.capture.offline import plan_offline
     from optsched.solvers import default_schedule, simulate
-    from optsched.distributed import activation_peak, choose_block_budget, fsdp_memory, plan_digest, saved_bytes
+    from optsched.distributed import (activation_peak, choose_block_plan, fsdp_memory, heuristic_schedule, plan_digest,
+                                      saved_bytes, with_schedule)
 
     cfg = _config()
     batch, seq = args.batch, args.seq
@@ -154,14 +158,17 @@ def run(args) -> dict:
         row = {"activation_share": fraction, "budget_bytes": budget}
         t2 = time.perf_counter()
         try:
-            block_budget, _m = choose_block_budget(fastest.problem, memory, budget, arg_bytes, limit)
+            choice = choose_block_plan(fastest.problem, memory, budget, arg_bytes, limit)
+            block_budget = choice.block_budget
             for _ in range(4):
                 plan = plan_block(cfg, batch, seq, block_budget, args.time_limit)
+                if choice.how != "solve":
+                    plan = with_schedule(plan, heuristic_schedule(choice.how, plan.problem), f"fsdp_offline: {choice.how}")
                 m = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
-                if m.total <= budget:
+                if m.total <= budget or choice.how != "solve":
                     break
                 block_budget -= m.total - budget
-            else:
+            if m.total > budget:
                 raise optsched.BudgetInfeasibleError(budget, m.total, memory.fixed)
         except optsched.BudgetInfeasibleError as e:
             row.update(infeasible=True, message=str(e), plan_s=time.perf_counter() - t2)
@@ -178,7 +185,7 @@ def run(args) -> dict:
             saved_per_block_bytes=m.saved_per_block, fixed_bytes=m.fixed, memory=m.describe(),
             step_time_s=step_s, time_ratio_vs_fastest=step_s / fastest_step_s, block_status=s["solver_status"],
             block_gap=s["gap"], n_recomputed=s["n_recomputed"], n_offloaded=s["n_offloaded"],
-            offloaded_bytes=s["offloaded_bytes"], plan_s=time.perf_counter() - t2, plan_file=str(path),
+            offloaded_bytes=s["offloaded_bytes"], plan_s=time.perf_counter() - t2, plan_file=str(path), block_plan=choice.how,
             digest=plan_digest(plan), fingerprint=plan.fingerprint["hash"],
         )
         rows.append(row)
@@ -217,13 +224,13 @@ def table(result: dict) -> str:
            f"fastest block plan: per rank {result['fastest']['predicted_peak_bytes'] / GIB:.2f} GiB, "
            f"step {result['fastest']['step_time_s'] * 1e3:.1f} ms",
            f"{'budget':>10} {'predicted':>10} {'step ms':>9} {'x fastest':>9} {'recomp':>6} {'offl':>5} "
-           f"{'status':>10} {'plan s':>7} {'8 ranks load':>12}"]
+           f"{'block plan':>15} {'plan s':>7} {'8 ranks load':>12}"]
     for r in result["rows"]:
         if r.get("infeasible"):
             out.append(f"{r['budget_bytes'] / GIB:>8.2f}Gi  infeasible")
             continue
         out.append(f"{r['budget_bytes'] / GIB:>8.2f}Gi {r['predicted_peak_bytes'] / GIB:>8.2f}Gi {r['step_time_s'] * 1e3:>9.1f} "
-                   f"{r['time_ratio_vs_fastest']:>9.3f} {r['n_recomputed']:>6} {r['n_offloaded']:>5} {r['block_status']:>10} "
+                   f"{r['time_ratio_vs_fastest']:>9.3f} {r['n_recomputed']:>6} {r['n_offloaded']:>5} {r['block_plan']:>15} "
                    f"{r['plan_s']:>7.1f} {str(r.get('loadable_by_every_rank')):>12}")
     return "\n".join(out)
 

@@ -32,7 +32,10 @@ from . import api
 from .budget import parse_budget
 from .costs.measure import measure_peak
 from .plans.plan import Plan
-from .solvers import BudgetInfeasibleError, TensorKind, solve
+from .plans.file_format import seal
+from .solvers import BudgetInfeasibleError, TensorKind, simulate, solve
+from .solvers.baselines import BASELINES
+from .solvers.search.heuristics import full_recompute
 
 __all__ = ["FSDPMemory", "FSDPPlan", "optimize", "optimize_fsdp", "plan_digest"]
 
@@ -271,6 +274,7 @@ class FSDPPlan:
     block_plan: Plan | None
     digest: str
     notes: list[str] = field(default_factory=list)
+    how: str = "solve"  # the solver's plan for block_budget, or the HEURISTICS schedule chosen (see choose_block_plan)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -279,8 +283,9 @@ class FSDPPlan:
     def __repr__(self) -> str:
         b = "none" if self.budget_bytes is None else f"{self.budget_bytes / MiB:.2f} MiB"
         return (f"FSDPPlan(per rank: predicted {self.memory.total / MiB:.2f} MiB, budget {b}; "
-                f"{self.memory.n_blocks} blocks, block budget "
-                f"{'none' if self.block_budget_bytes is None else f'{self.block_budget_bytes / MiB:.2f} MiB'}, "
+                f"{self.memory.n_blocks} blocks, " + (
+                    f"block budget {'none' if self.block_budget_bytes is None else f'{self.block_budget_bytes / MiB:.2f} MiB'}"
+                    if self.how == "solve" else self.how) + ", "
                 f"block plan {self.block_plan})")
 
 
@@ -385,18 +390,40 @@ def _block_signature(block: torch.nn.Module) -> tuple:
     return (type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
-def choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float,
-                        tolerance: float = 0.02):
-    """The largest block budget whose plan keeps the per-rank total within `budget` (a bisection over the
-    block's peak, to `tolerance` of it; each candidate solved by the same deterministic solver). Returns
-    (block budget or None for no budget, the memory with that plan). A budget below the fixed terms, the other
-    blocks' inputs and the block's proven lower bound fails at once."""
+HEURISTICS = ("full_recompute", "checkpoint_blocks", "sqrt_segments")
+"""Whole-block schedules tried beside the solver's: with many blocks, a block's saved activations count once per
+block at the step's peak, which a plan of one block for its own peak does not weigh (full_recompute is
+per-block activation checkpointing: only the block's input is kept)."""
+
+
+def heuristic_schedule(name: str, problem):
+    return full_recompute(problem) if name == "full_recompute" else BASELINES[name](problem)
+
+
+@dataclass
+class BlockChoice:
+    """How the block is planned: `how` "solve" (the solver, for `block_budget`; None: no budget) or a name of
+    HEURISTICS; the per-rank memory and the block's estimated time with it (on the search problem)."""
+
+    how: str
+    block_budget: int | None
+    memory: FSDPMemory
+    time_s: float
+
+
+def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float,
+                      tolerance: float = 0.02) -> BlockChoice:
+    """The fastest block plan whose per-rank total fits `budget`: among the solver's plans for block budgets
+    (a bisection over the block's peak, to `tolerance`, for the largest that fits) and the HEURISTICS'
+    schedules. A budget below the fixed terms, the other blocks' inputs and the block's proven lower bound
+    fails at once; one no candidate meets raises BudgetInfeasibleError with the lowest total found."""
     def evaluate(b):
         try:
             sol = solve(problem, b, time_limit_s=time_limit_s, deterministic=True)
         except BudgetInfeasibleError:
             return None, None
-        return memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes)), sol
+        return BlockChoice("solve", b, memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes)),
+                           sol.sim.time_s), sol
 
     def infeasible(floor: FSDPMemory, bound: int) -> BudgetInfeasibleError:
         e = BudgetInfeasibleError(budget, floor.total, bound)
@@ -406,29 +433,43 @@ def choose_block_budget(problem, memory: FSDPMemory, budget: int | None, arg_byt
         return e
 
     fastest, sol = evaluate(None)
-    if budget is None or fastest.total <= budget:
-        return None, fastest
+    if budget is None or fastest.memory.total <= budget:
+        return fastest
     bound = memory.fixed + (memory.n_blocks - 1) * arg_bytes + sol.lower_bound_bytes
     if budget < bound:
-        raise infeasible(fastest, bound)
-    lowest, best = None, None
-    lo, hi = sol.lower_bound_bytes - 1, fastest.block_peak
+        raise infeasible(fastest.memory, bound)
+    tried = [fastest]
+    for name in HEURISTICS:
+        sim = simulate(problem, heuristic_schedule(name, problem))
+        tried.append(BlockChoice(name, None, memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes)),
+                                 sim.time_s))
+    lo, hi = sol.lower_bound_bytes - 1, fastest.memory.block_peak
     for _ in range(16):
         if hi - lo <= max(4096, int(hi * tolerance)):
             break
         mid = (lo + hi) // 2
-        m, _sol = evaluate(mid)
-        if m is None:
+        c, _sol = evaluate(mid)
+        if c is None:
             lo = mid
             continue
-        lowest = m if lowest is None or m.total < lowest.total else lowest
-        if m.total <= budget:
-            best, lo = (mid, m), mid
+        tried.append(c)
+        if c.memory.total <= budget:
+            lo = mid
         else:
             hi = mid
-    if best is None:
-        raise infeasible(lowest or fastest, bound)
-    return best
+    fits = [c for c in tried if c.memory.total <= budget]
+    if not fits:
+        raise infeasible(min(tried, key=lambda c: c.memory.total).memory, bound)
+    return min(fits, key=lambda c: (c.time_s, c.memory.total))
+
+
+def with_schedule(plan: Plan, schedule, note: str) -> Plan:
+    """`plan` with another schedule for its problem (simulated; its stats say so): what every rank replays."""
+    sim = simulate(plan.problem, schedule)
+    gap = max(0.0, (sim.time_s - plan.stats.bound_s) / sim.time_s) if sim.time_s > 0 else 0.0
+    stats = dataclasses.replace(plan.stats, status="HEURISTIC", objective_s=sim.time_s, gap=gap,
+                                notes=[*plan.stats.notes, note])
+    return dataclasses.replace(plan, schedule=schedule, sim=sim, stats=stats)
 
 
 def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tuple | list, blocks=None, mesh=None,
@@ -473,29 +514,33 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
         fwd = _bound_forward(blocks[0])
         arg_bytes = _tensor_bytes(args, kwargs)
         problem = api.capture_problem(_with_kwargs(fwd, kwargs), args, device_profile=options.get("device_profile"))
-        block_budget, _m = choose_block_budget(problem, memory, budget.nbytes, arg_bytes, limit)
-        notes = []
+        choice = choose_block_plan(problem, memory, budget.nbytes, arg_bytes, limit)
+        block_budget, notes = choice.block_budget, []
         for _attempt in range(4):  # the planner may plan a little otherwise (fusion, costs measured again): check
             opt = api.optimize(fwd, block_budget, **options)
             plan = _plan_as_used(opt, blocks[0], args, kwargs)
+            spec = api.optimized_spec(opt)
+            if choice.how != "solve":
+                plan = with_schedule(plan, heuristic_schedule(choice.how, plan.problem),
+                                     f"optimize_fsdp: {choice.how}, the fastest block plan within the per-rank budget")
+                spec = dataclasses.replace(spec, carried=(json.dumps(seal(plan.to_file_data()), separators=(",", ":")),))
             memory = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
-            if budget.nbytes is None or memory.total <= budget.nbytes:
+            if budget.nbytes is None or memory.total <= budget.nbytes or choice.how != "solve":
                 break
             over = memory.total - budget.nbytes
             notes.append(f"block budget {block_budget / MiB:.2f} MiB gave {memory.total / MiB:.2f} MiB per rank, "
                          f"{over / MiB:.2f} MiB over: lowered")
             block_budget -= over
-        else:
+        if budget.nbytes is not None and memory.total > budget.nbytes:
             e = BudgetInfeasibleError(budget.nbytes, memory.total, memory.fixed)
             e.args = (f"no block plan fits the per-rank budget {budget.nbytes / MiB:.2f} MiB: {memory.describe()}",)
             raise e
-        spec = api.optimized_spec(opt)
-        info = FSDPPlan(budget.nbytes, block_budget, memory, plan, plan_digest(plan), notes)
-        return (info, spec), (spec, memory, block_budget, notes, tuple(kwargs))
+        info = FSDPPlan(budget.nbytes, block_budget, memory, plan, plan_digest(plan), notes, choice.how)
+        return (info, spec), (spec, memory, block_budget, notes, choice.how)
 
     def replayed(payload):
-        spec, memory, block_budget, notes, kw = payload
-        return FSDPPlan(budget.nbytes, block_budget, memory, None, "", list(notes)), spec
+        spec, memory, block_budget, notes, how = payload
+        return FSDPPlan(budget.nbytes, block_budget, memory, None, "", list(notes), how), spec
 
     # every rank gets the same payload, so the digests agree here; each block checks at its first call that it
     # replays the plan (_Replayed), and plan_digest(block.forward.plan) is then equal on every rank

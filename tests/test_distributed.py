@@ -66,6 +66,7 @@ def test_ddp_one_plan_same_gradients_peak_within_budget():
     assert r0["infeasible"] == r1["infeasible"]
     assert r0["infeasible"].startswith("BudgetInfeasibleError:")
     assert r0["infeasible_rank"] == r1["infeasible_rank"] == 0
+    assert r0["mismatch"] == r1["mismatch"] and "ranks planned different programs" in r0["mismatch"]
 
 
 def test_fsdp2_blocks_planned_same_gradients_and_shards_peak_within_budget():
@@ -139,6 +140,13 @@ def _ddp(rank: int, world: int) -> dict:
         out["infeasible"] = "no error"
     except optsched.BudgetInfeasibleError as e:
         out["infeasible"], out["infeasible_rank"] = f"{type(e).__name__}: {e}", e.rank
+    # rank 1 with another batch size: rank 0's plan cannot be replayed there; both ranks raise the same error
+    try:
+        n = 256 if rank else 512
+        od.optimize(Net(), None, example_inputs=(x[:n], y[:n]), time_limit_s=1.0)
+        out["mismatch"] = "no error"
+    except RuntimeError as e:
+        out["mismatch"] = f"{type(e).__name__}: {e}"
     dist.barrier()
     return out
 

@@ -9,7 +9,8 @@
   afterwards: each block's forward runs as one planned program between FSDP2's hooks (its all-gather before,
   its reduce-scatter after), which stay eager. The per-rank budget counts this rank's parameter and gradient
   shards, the all-gathered parameters of the running block and the one prefetched, the all-gather and
-  reduce-scatter buffers, the root's activations and every block's saved activations (`FSDPMemory`).
+  reduce-scatter buffers, the root's activations and every block's saved activations (`FSDPMemory`); the block
+  plan is the fastest that fits it, the solver's or a whole-block schedule (`choose_block_plan`).
 
 All ranks must call these functions together (they are collectives). See docs/distributed.md.
 """
@@ -488,8 +489,9 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     mesh, reshard_after_forward: passed to fully_shard. group: the process group the plan is shared in (default:
     the mesh's, else the world). Other options are optsched.optimize's.
 
-    Collective: every rank calls it. Rank `src` plans the first block (unsharded) for the block budget that
-    keeps the per-rank total within mem_budget, and broadcasts the plan; every rank's blocks replay it."""
+    Collective: every rank calls it. Rank `src` plans the first block (unsharded): the fastest plan that keeps
+    the per-rank total within mem_budget (the solver's for a block budget, or a whole-block schedule such as
+    full recomputation: see choose_block_plan), and broadcasts it; every rank's blocks replay it."""
     from torch.distributed.fsdp import fully_shard
 
     _check_options(options)

@@ -71,7 +71,8 @@ def _plan_row(plan, budget_bytes: int | None) -> dict:
 
 
 def run_case(model, inputs, eager: dict, budget_bytes: int | None, chunking, time_limit_s: float, repeat: int,
-             measure: bool = True) -> dict:
+             measure: bool = True, keep: list | None = None) -> dict:
+    """Plan (and measure, when asked) one case; `keep` gets the optimized module, to measure later."""
     t0 = time.perf_counter()
     try:
         opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s,
@@ -81,20 +82,27 @@ def run_case(model, inputs, eager: dict, budget_bytes: int | None, chunking, tim
                 "lower_bound_bytes": e.lower_bound_bytes, "plan_s": time.perf_counter() - t0}
     row = _plan_row(opt.plan, budget_bytes)
     row["plan_s"] = time.perf_counter() - t0
+    if keep is not None:
+        keep.append(opt)
     if measure:
-        m = measure_training_step(opt, model, inputs)
-        t, t_eager = measure_ratio(_timed_step(opt, model, inputs), _timed_step(model, model, inputs),
-                                   warmup=1, repeat=repeat)
-        row.update({
-            "measured_peak_bytes": m.peak_bytes,
-            "predicted_minus_measured_bytes": opt.plan.predicted_peak_bytes - m.peak_bytes,
-            "within_budget": budget_bytes is None or m.peak_bytes <= budget_bytes,
-            "step_s": t,
-            "eager_step_s": t_eager,
-            "time_ratio": t / t_eager,
-            "max_grad_diff": _max_grad_diff(m.grads, eager["grads"]),
-        })
+        measure_row(row, opt, model, inputs, eager, repeat)
     return row
+
+
+def measure_row(row: dict, opt, model, inputs, eager: dict, repeat: int) -> None:
+    budget_bytes = row["budget_bytes"]
+    m = measure_training_step(opt, model, inputs)
+    t, t_eager = measure_ratio(_timed_step(opt, model, inputs), _timed_step(model, model, inputs),
+                               warmup=1, repeat=repeat)
+    row.update({
+        "measured_peak_bytes": m.peak_bytes,
+        "predicted_minus_measured_bytes": opt.plan.predicted_peak_bytes - m.peak_bytes,
+        "within_budget": budget_bytes is None or m.peak_bytes <= budget_bytes,
+        "step_s": t,
+        "eager_step_s": t_eager,
+        "time_ratio": t / t_eager,
+        "max_grad_diff": _max_grad_diff(m.grads, eager["grads"]),
+    })
 
 
 def _mib(b) -> str:
@@ -148,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     sweep = []
     at = None
     for f in RECOMPUTE_FRACTIONS:
-        row = run_case(model, inputs, eager, int(f * unplanned), True, args.time_limit, args.repeat, measure=False)
+        kept: list = []
+        row = run_case(model, inputs, eager, int(f * unplanned), True, args.time_limit, args.repeat, measure=False,
+                       keep=kept)
         row["fraction"] = f
         sweep.append(row)
         if row.get("infeasible"):
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         one = next(t for t in row["trials"] if t["chunks"] == 1)
         if not one["fits"] or any(MATMUL.match(n) for n in one["recomputed"]):
             at = row
+            measure_row(row, kept[0], model, inputs, eager, args.repeat)  # the plan compared, measured
             break
     print("\n3. chunk or recompute: the planner (chunking on) at budgets going down; 'recompute only' is its "
           "1-chunk candidate")
@@ -172,11 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['n_recomputed']:>6} {len(r['recomputed_matmuls']):>7}")
     compare = None
     if at is not None:
-        measured = run_case(model, inputs, eager, at["budget_bytes"], True, args.time_limit, args.repeat)
-        compare = {"budget_bytes": at["budget_bytes"], "fraction": at["fraction"], "planned": at,
-                   "recompute_only": next(t for t in at["trials"] if t["chunks"] == 1), "measured_run": measured}
-        _print_rows(f"3b. at {_mib(at['budget_bytes'])} MiB ({at['fraction']:.0%}), chunking on, planned again and "
-                    "measured", [measured])
+        compare = {"budget_bytes": at["budget_bytes"], "fraction": at["fraction"], "chosen": at,
+                   "recompute_only": next(t for t in at["trials"] if t["chunks"] == 1)}
+        _print_rows(f"3b. at {_mib(at['budget_bytes'])} MiB ({at['fraction']:.0%}): the chosen plan, measured", [at])
     result = {
         "config": {"vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
                    "batch": batch, "seq": seq, "quick": args.quick, "time_limit_s": args.time_limit,

@@ -237,3 +237,15 @@ def test_roofline_costs_charge_every_chunk():
     fitting = [t for t in plan.chunk_trials if t["fits"]]
     assert len(fitting) >= 2 and fitting[0]["estimated_time_s"] < fitting[1]["estimated_time_s"]
     assert plan.summary()["chunks"]["lm_head"] == fitting[0]["chunks"]  # the fewest chunks that fit: fastest
+
+
+def test_hf_gpt2_planned_with_chunking_at_half_its_peak():
+    model, inputs = _hf_gpt2(True)
+    _, grads = _eager(model, inputs)
+    opt = optsched.optimize(model, "50%", example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=True)
+    plan = opt.plan
+    assert plan.summary()["chunks"]["lm_head"] > 1
+    measured = measure_training_step(opt, model, inputs)
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= SCALAR_SLACK
+    assert measured.peak_bytes <= plan.budget_bytes
+    _close(measured.grads, grads)

@@ -214,12 +214,15 @@ def _call(graph: fx.Graph, target, args: tuple, like: fx.Node | None = None) -> 
 
 
 def chunk(gm: fx.GraphModule, chunks: int | dict[str, int]) -> list[Chain]:
-    """Replace every chain (`find_chains`) with its chunked form: `chunks` runs (per chain name when a
-    dict). Returns the chains it replaced (their nodes are gone from the graph)."""
+    """Replace every chain (`find_chains`) with its chunked form in `chunks` runs (an int: every chain, 1
+    included, as one fused run; a dict: per chain name, a chain with 1 or no entry left as captured, as
+    plan files record them). Returns the chains it replaced (their nodes are gone from the graph)."""
     chains, _ = find_chains(gm)
+    if isinstance(chunks, dict):
+        chains = [c for c in chains if chunks.get(c.name, 1) > 1]
     graph = gm.graph
     for chain in chains:
-        k = chunks.get(chain.name, 1) if isinstance(chunks, dict) else chunks
+        k = chunks[chain.name] if isinstance(chunks, dict) else chunks
         loss, loss_bw = chain.loss, chain.loss_backward
         _, target, _, reduction, ignore_index = (list(loss.args) + [None, 1, -100])[:5]
         with graph.inserting_before(loss):

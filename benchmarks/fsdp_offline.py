@@ -22,8 +22,9 @@ on one CPU process, and would not change the plan):
   activations add to them with the fastest block plan.
 - The block plan is the fastest whose total fits the per-rank budget (`choose_block_plan`): the solver's plan for
   the largest block budget that fits (bisection over the block's peak), or a whole-block schedule (full
-  recomputation of the block, i.e. per-block activation checkpointing; block checkpoints; sqrt segments),
-  which keeps fewer activations per block, and 32 blocks multiply them. Then the block is planned with
+  recomputation of the block, i.e. per-block activation checkpointing; block checkpoints; sqrt segments), or a
+  recompute set from a ladder ordered by time per saved byte: these keep fewer activations per block, and 32
+  blocks multiply them. Then the block is planned with
   `plan_offline` for that choice and the total checked.
 - Time per step = 32 x the block plan's estimated time + the root's (roofline, h100). Communication (all-gathers,
   reduce-scatters over NVLink) is not modelled: FSDP2 overlaps it with compute on separate streams.
@@ -121,7 +122,7 @@ def run(args) -> dict:
     from benchmarks.models import llama
     from optsched.capture.offline import plan_offline
     from optsched.solvers import default_schedule, simulate
-    from optsched.distributed import (activation_peak, choose_block_plan, fsdp_memory, heuristic_schedule, plan_digest,
+    from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, plan_digest,
                                       saved_bytes, with_schedule)
 
     cfg = _config()
@@ -158,18 +159,20 @@ def run(args) -> dict:
         row = {"activation_share": fraction, "budget_bytes": budget}
         t2 = time.perf_counter()
         try:
-            choice = choose_block_plan(fastest.problem, memory, budget, arg_bytes, limit)
-            block_budget = choice.block_budget
-            for _ in range(4):
-                plan = plan_block(cfg, batch, seq, block_budget, args.time_limit)
+            m = fastest_memory
+            for choice in choose_block_plan(fastest.problem, memory, budget, arg_bytes, limit)[:4]:
+                try:
+                    plan = plan_block(cfg, batch, seq, choice.block_budget, args.time_limit)
+                except optsched.BudgetInfeasibleError:
+                    continue
                 if choice.how != "solve":
-                    plan = with_schedule(plan, heuristic_schedule(choice.how, plan.problem), f"fsdp_offline: {choice.how}")
+                    plan = with_schedule(plan, block_schedule(choice, plan.problem), f"fsdp_offline: {choice.describe()}")
                 m = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
-                if m.total <= budget or choice.how != "solve":
+                if m.total <= budget:
                     break
-                block_budget -= m.total - budget
-            if m.total > budget:
+            else:
                 raise optsched.BudgetInfeasibleError(budget, m.total, memory.fixed)
+            block_budget = choice.block_budget
         except optsched.BudgetInfeasibleError as e:
             row.update(infeasible=True, message=str(e), plan_s=time.perf_counter() - t2)
             rows.append(row)
@@ -185,7 +188,7 @@ def run(args) -> dict:
             saved_per_block_bytes=m.saved_per_block, fixed_bytes=m.fixed, memory=m.describe(),
             step_time_s=step_s, time_ratio_vs_fastest=step_s / fastest_step_s, block_status=s["solver_status"],
             block_gap=s["gap"], n_recomputed=s["n_recomputed"], n_offloaded=s["n_offloaded"],
-            offloaded_bytes=s["offloaded_bytes"], plan_s=time.perf_counter() - t2, plan_file=str(path), block_plan=choice.how,
+            offloaded_bytes=s["offloaded_bytes"], plan_s=time.perf_counter() - t2, plan_file=str(path), block_plan=choice.describe(),
             digest=plan_digest(plan), fingerprint=plan.fingerprint["hash"],
         )
         rows.append(row)

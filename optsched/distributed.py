@@ -36,7 +36,8 @@ from .plans.plan import Plan
 from .plans.file_format import seal
 from .solvers import BudgetInfeasibleError, TensorKind, simulate, solve
 from .solvers.baselines import BASELINES
-from .solvers.search.heuristics import full_recompute
+from .solvers.model.liveness import recompute_candidates
+from .solvers.search.heuristics import full_recompute, place_recomputes
 
 __all__ = ["FSDPMemory", "FSDPPlan", "optimize", "optimize_fsdp", "plan_digest"]
 
@@ -275,7 +276,7 @@ class FSDPPlan:
     block_plan: Plan | None
     digest: str
     notes: list[str] = field(default_factory=list)
-    how: str = "solve"  # the solver's plan for block_budget, or the HEURISTICS schedule chosen (see choose_block_plan)
+    how: str = "solve"  # the solver's plan for block_budget, or the other schedule chosen (BlockChoice.describe())
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -403,20 +404,45 @@ def heuristic_schedule(name: str, problem):
 
 @dataclass
 class BlockChoice:
-    """How the block is planned: `how` "solve" (the solver, for `block_budget`; None: no budget) or a name of
-    HEURISTICS; the per-rank memory and the block's estimated time with it (on the search problem)."""
+    """How the block is planned: `how` "solve" (the solver, for `block_budget`; None: no budget), "recompute"
+    (the forward ops named in `recompute` recomputed, in program order) or a name of HEURISTICS; the per-rank
+    memory and the block's estimated time with it (on the search problem)."""
 
     how: str
     block_budget: int | None
     memory: FSDPMemory
     time_s: float
+    recompute: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return f"recompute {len(self.recompute)} ops" if self.how == "recompute" else self.how
+
+
+def block_schedule(choice: BlockChoice, problem):
+    """The schedule a non-solver choice gives `problem` (the block's problem, as captured where it is made)."""
+    if choice.how == "recompute":
+        by_name = {o.name: o.id for o in problem.ops}
+        return place_recomputes(problem, [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops],
+                                [by_name[n] for n in choice.recompute])
+    return heuristic_schedule(choice.how, problem)
+
+
+def recompute_ladder(problem) -> list[list[int]]:
+    """Recompute sets that trade the least time for saved bytes: the recompute candidates sorted by time per
+    byte of output, and every prefix of that order."""
+    def per_byte(o):
+        return problem.ops[o].time_s / max(1, sum(problem.tensors[t].bytes for t in problem.ops[o].outputs))
+
+    order = sorted(recompute_candidates(problem), key=lambda o: (per_byte(o), o))
+    return [order[:k] for k in range(1, len(order) + 1)]
 
 
 def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float,
-                      tolerance: float = 0.02) -> BlockChoice:
-    """The fastest block plan whose per-rank total fits `budget`: among the solver's plans for block budgets
-    (a bisection over the block's peak, to `tolerance`, for the largest that fits) and the HEURISTICS'
-    schedules. A budget below the fixed terms, the other blocks' inputs and the block's proven lower bound
+                      tolerance: float = 0.02) -> list[BlockChoice]:
+    """The block plans whose per-rank total fits `budget`, fastest first: among the solver's plans for block
+    budgets (a bisection over the block's peak, to `tolerance`, for the largest that fits), the HEURISTICS'
+    schedules and the recompute_ladder's (which weigh saved bytes, that n_blocks multiply, rather than the
+    block's peak). A budget below the fixed terms, the other blocks' inputs and the block's proven lower bound
     fails at once; one no candidate meets raises BudgetInfeasibleError with the lowest total found."""
     def evaluate(b):
         try:
@@ -435,7 +461,7 @@ def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes
 
     fastest, sol = evaluate(None)
     if budget is None or fastest.memory.total <= budget:
-        return fastest
+        return [fastest]
     bound = memory.fixed + (memory.n_blocks - 1) * arg_bytes + sol.lower_bound_bytes
     if budget < bound:
         raise infeasible(fastest.memory, bound)
@@ -444,6 +470,11 @@ def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes
         sim = simulate(problem, heuristic_schedule(name, problem))
         tried.append(BlockChoice(name, None, memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes)),
                                  sim.time_s))
+    fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
+    for ops in recompute_ladder(problem):  # saves less per block than the solver's plans of the block's peak
+        sim = simulate(problem, place_recomputes(problem, fw, bw, ops))
+        tried.append(BlockChoice("recompute", None, memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes)),
+                                 sim.time_s, tuple(problem.ops[o].name for o in ops)))
     lo, hi = sol.lower_bound_bytes - 1, fastest.memory.block_peak
     for _ in range(16):
         if hi - lo <= max(4096, int(hi * tolerance)):
@@ -461,7 +492,7 @@ def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes
     fits = [c for c in tried if c.memory.total <= budget]
     if not fits:
         raise infeasible(min(tried, key=lambda c: c.memory.total).memory, bound)
-    return min(fits, key=lambda c: (c.time_s, c.memory.total))
+    return sorted(fits, key=lambda c: (c.time_s, c.memory.total))
 
 
 def with_schedule(plan: Plan, schedule, note: str) -> Plan:
@@ -516,29 +547,34 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
         fwd = _bound_forward(blocks[0])
         arg_bytes = _tensor_bytes(args, kwargs)
         problem = api.capture_problem(_with_kwargs(fwd, kwargs), args, device_profile=options.get("device_profile"))
-        choice = choose_block_plan(problem, memory, budget.nbytes, arg_bytes, limit)
-        block_budget, notes = choice.block_budget, []
-        for _attempt in range(4):  # the planner may plan a little otherwise (fusion, costs measured again): check
-            opt = api.optimize(fwd, block_budget, **options)
-            plan = _plan_as_used(opt, blocks[0], args, kwargs)
+        if not _offloads(options, args):  # the block's programs will not offload: neither may the search
+            problem = dataclasses.replace(problem, host_bw=0.0)
+        notes: list[str] = []
+        for choice in choose_block_plan(problem, memory, budget.nbytes, arg_bytes, limit)[:4]:
+            # planned again where it runs (costs measured again, fusion): the total is checked on that plan
+            opt = api.optimize(fwd, choice.block_budget, **options)
+            try:
+                plan = _plan_as_used(opt, blocks[0], args, kwargs)
+            except BudgetInfeasibleError as e:
+                notes.append(f"{choice.describe()} (block budget {choice.block_budget}): infeasible when planned: {e}")
+                continue
             spec = api.optimized_spec(opt)
             if choice.how != "solve":
-                plan = with_schedule(plan, heuristic_schedule(choice.how, plan.problem),
-                                     f"optimize_fsdp: {choice.how}, the fastest block plan within the per-rank budget")
+                plan = with_schedule(plan, block_schedule(choice, plan.problem),
+                                     f"optimize_fsdp: {choice.describe()}, the fastest block plan within the per-rank budget")
                 spec = dataclasses.replace(spec, carried=(json.dumps(seal(plan.to_file_data()), separators=(",", ":")),))
             memory = memory.with_block(plan.predicted_peak_bytes, saved_bytes(plan.problem, plan.sim, arg_bytes))
-            if budget.nbytes is None or memory.total <= budget.nbytes or choice.how != "solve":
+            if budget.nbytes is None or memory.total <= budget.nbytes:
                 break
-            over = memory.total - budget.nbytes
-            notes.append(f"block budget {block_budget / MiB:.2f} MiB gave {memory.total / MiB:.2f} MiB per rank, "
-                         f"{over / MiB:.2f} MiB over: lowered")
-            block_budget -= over
-        if budget.nbytes is not None and memory.total > budget.nbytes:
+            notes.append(f"{choice.describe()} (block budget {choice.block_budget}): {memory.total / MiB:.2f} MiB per "
+                         "rank when planned, over the budget")
+        else:
             e = BudgetInfeasibleError(budget.nbytes, memory.total, memory.fixed)
-            e.args = (f"no block plan fits the per-rank budget {budget.nbytes / MiB:.2f} MiB: {memory.describe()}",)
+            e.args = (f"no block plan fits the per-rank budget {budget.nbytes / MiB:.2f} MiB: " + "; ".join(notes),)
             raise e
-        info = FSDPPlan(budget.nbytes, block_budget, memory, plan, plan_digest(plan), notes, choice.how)
-        return (info, spec), (spec, memory, block_budget, notes, choice.how)
+        block_budget = choice.block_budget
+        info = FSDPPlan(budget.nbytes, block_budget, memory, plan, plan_digest(plan), notes, choice.describe())
+        return (info, spec), (spec, memory, block_budget, notes, choice.describe())
 
     def replayed(payload):
         spec, memory, block_budget, notes, how = payload
@@ -555,6 +591,14 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     fully_shard(model, mesh=mesh)
     model.plan = info
     return model
+
+
+def _offloads(options: dict, args: tuple) -> bool:
+    """Whether the block's programs may offload: optimize()'s option, by default on CUDA only."""
+    if options.get("offload") is not None:
+        return bool(options["offload"])
+    devices = [a.device.type for a in args if isinstance(a, torch.Tensor)]
+    return bool(devices) and devices[0] == "cuda"
 
 
 def _plan_as_used(opt, block: torch.nn.Module, args: tuple, kwargs: dict) -> Plan:

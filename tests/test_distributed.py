@@ -78,8 +78,8 @@ def test_fsdp2_blocks_planned_same_gradients_and_shards_peak_within_budget():
         assert r["block_recomputes"] > 0, r  # the budget binds: the block plan recomputes
         assert len(set(r["block_digests"])) == 1 and r["all_replayed"], r
     assert r0["block_digests"] == r1["block_digests"]
-    for r in (r0, r1):  # the tight budget: whole-block recomputation chosen, within 1.05 MiB
-        assert r["tight_how"] == "full_recompute" and r["tight_grads_equal"], r
+    for r in (r0, r1):  # the tight budget: a plan that saves less per block than the solver's of the block's peak
+        assert r["tight_how"] != "solve" and r["tight_grads_equal"], r
         assert r["tight_predicted"] <= 1.05 * 2**20 and r["tight_measured"] <= 1.05 * 2**20, r
     assert r0["tight_digests"] == r1["tight_digests"] and len(set(r0["tight_digests"])) == 1
     assert r0["infeasible"] == r1["infeasible"]
@@ -198,8 +198,8 @@ def _fsdp(rank: int, world: int) -> dict:
         "all_replayed": all(any(n.startswith("loaded from") for n in p.stats.notes) for p in plans),
         "memory": info.memory.describe(),
     }
-    # tighter: 3 blocks' saved activations outweigh what the solver's plans of one block save; the block is
-    # recomputed whole (per-block checkpointing), still one plan replayed on both ranks, same gradients
+    # tighter: 3 blocks' saved activations outweigh the block's own peak; a recompute set chosen for saved bytes
+    # (or whole-block recomputation), still one plan replayed on both ranks, same gradients
     ref2, tight = build(cfg), od.optimize_fsdp(build(cfg), int(1.05 * 2**20), example_inputs=(x, y), time_limit_s=1.0)
     for b in ref2.blocks:
         fully_shard(b)

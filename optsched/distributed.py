@@ -130,6 +130,11 @@ def _one_outcome(group, src: int, planned: Callable[[], Any], replayed: Callable
     return result
 
 
+def _without_plan_file(spec):
+    """A spec for the ranks other than src: no plan file (src alone reads and writes it; the plans come carried)."""
+    return dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, plan=None))
+
+
 def _check_options(options: dict) -> None:
     if "plan" in options and options["plan"] == "auto":
         raise ValueError("plan='auto' is per machine; under torch.distributed pass a path (rank src reads or writes it) or None")
@@ -159,7 +164,7 @@ def optimize(fn_or_module, mem_budget=None, *, example_inputs: tuple | list, gro
         return target, api.optimized_spec(target)
 
     def replayed(spec):
-        return api.optimize_like(fn_or_module, spec, example_inputs)
+        return api.optimize_like(fn_or_module, _without_plan_file(spec), example_inputs)
 
     return _one_outcome(group, src, planned, replayed, lambda t: plan_digest(t.plan))
 
@@ -578,7 +583,7 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
 
     def replayed(payload):
         spec, memory, block_budget, notes, how = payload
-        return FSDPPlan(budget.nbytes, block_budget, memory, None, "", list(notes), how), spec
+        return FSDPPlan(budget.nbytes, block_budget, memory, None, "", list(notes), how), _without_plan_file(spec)
 
     # every rank gets the same payload, so the digests agree here; each block checks at its first call that it
     # replays the plan (_Replayed), and plan_digest(block.forward.plan) is then equal on every rank

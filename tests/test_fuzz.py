@@ -11,7 +11,7 @@ Bounded by default (a few dozen problems, a few models). Longer:
 
     HYPOTHESIS_PROFILE=long .venv/bin/python -m pytest tests/test_fuzz.py
 
-(10x the examples, no per-example deadline). OPTSCHED_FUZZ_EXAMPLES=N sets the problem count directly.
+(10x the examples, drawn at random rather than from a fixed seed). OPTSCHED_FUZZ_EXAMPLES=N sets the problem count directly.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from schedule_checker import assert_valid, violations
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
 SCALE = 10 if LONG else 1
 N_PROBLEMS = int(os.environ.get("OPTSCHED_FUZZ_EXAMPLES", 25 * SCALE))
-N_MODELS = 4 * SCALE
+N_MODELS = 5 * SCALE
 SOLVE_S = 0.5
 FUZZ = settings(max_examples=N_PROBLEMS, deadline=None, derandomize=not LONG, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -254,19 +254,21 @@ def _grads(model: torch.nn.Module, x: torch.Tensor, call) -> dict[str, torch.Ten
 
 @MODELS
 @given(st.lists(st.sampled_from(LAYERS), min_size=1, max_size=6), st.sampled_from([8, 32]),
-       st.sampled_from([None, "70%"]), st.integers(0, 1000))
+       st.sampled_from([None, "70%", "50%"]), st.integers(0, 1000))
 def test_random_models_optimized_gradients_equal_eager(spec, d, budget, seed):
     import optsched
 
     torch._dynamo.reset()
     model = _model(spec, d, seed)
-    x = torch.randn(16, d, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(128, d, generator=torch.Generator().manual_seed(seed))  # activations outweigh parameters
     want = _grads(model, x, model)
     try:
         opt = optsched.optimize(model, budget, time_limit_s=SOLVE_S)
         got = _grads(model, x, opt)
     except optsched.BudgetInfeasibleError:
+        event("model: budget infeasible")
         return  # parameters and gradients alone above 70%: nothing to compare
+    event(f"model: {'recomputes' if opt.plan.sim.recomputed_ops else 'no recompute'}")
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), f"{spec} {k}: max diff {(got[k] - want[k]).abs().max().item():.3g}"

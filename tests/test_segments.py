@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from optsched.solvers import BudgetInfeasibleError, Schedule, default_schedule, simulate, solve
+from optsched.solvers import BudgetInfeasibleError, Problem, Schedule, default_schedule, simulate, solve
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
 from optsched.solvers.search.blocks import find_groups, segments
 from optsched.solvers.search.heuristics import lower_bound_peak
@@ -219,7 +219,11 @@ def test_offloading_plans_are_deterministic():
 
 @pytest.mark.parametrize("host_bw", [0.0, 5e9])
 def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
-    """Deterministic mode: a user who asks for the lowest peak an error reported gets a plan."""
+    """A user who asks for the lowest peak an error reported gets a plan, even when the search at that
+    budget would take another path (here: too little time to find anything by itself), and even for a
+    problem captured again (same structure, other op times)."""
+    import dataclasses
+
     p = chain_training_problem(n_layers=30, act_bytes=64 * KIB, seed=1, host_bw=host_bw)
     lo = lower_bound_peak(p)
     base = simulate(p, default_schedule(p)).peak_bytes
@@ -227,5 +231,14 @@ def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
         solve(p, lo + (base - lo) // 50, time_limit_s=0.3, deterministic=True)
     low = e.value.lowest_peak_bytes
     assert simulate(p, e.value.lowest_schedule).peak_bytes == low
-    sol = solve(p, low, time_limit_s=0.3, deterministic=True)
+    again = Problem([dataclasses.replace(o, time_s=o.time_s * 1.5) for o in p.ops], p.tensors, outputs=p.outputs,
+                    host_bw=p.host_bw)
+    sol = solve(again, low, time_limit_s=0.01, deterministic=True)
     assert sol.sim.peak_bytes <= low
+    # the plan is remembered by the problem's structure, op times aside: with nothing found, it is the answer
+    from optsched.solvers.search import strategy
+
+    nothing = strategy._heuristic_stats(again, simulate(again, default_schedule(again)), "none")
+    best, stats, _lowest = strategy._reported_lowest(again, low, None, nothing, default_schedule(again))
+    assert best is not None and simulate(again, best).peak_bytes == low
+    assert stats.method == "the lowest-peak plan an earlier error reported"

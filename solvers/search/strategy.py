@@ -7,8 +7,10 @@ plan over budget ever leaves this module.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..cpsat.order import solve_order
@@ -29,7 +31,7 @@ from ..progress import Display, ProgressLine
 from .blocks import find_groups
 from .segments import improve_by_segments
 from .reorder import base_orders, refine_order
-from ..model.simulator import SimResult, simulate
+from ..model.simulator import ScheduleError, SimResult, simulate
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
@@ -40,7 +42,8 @@ WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; 
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
 EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
-LOWEST_SHARE = 0.2  # of the time limit, for the budget-blind lowest-peak search when nothing fits
+LOWEST_REPORTED_SIZE = 32  # problems whose lowest-peak plan an error reported are remembered (this process)
+_LOWEST_REPORTED: OrderedDict[str, Schedule] = OrderedDict()
 
 
 class BudgetInfeasibleError(Exception):
@@ -179,8 +182,7 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                                                              t0 + SEARCH_SHARE * time_limit_s, workers, offload=offload)
                 cut = cut or cut_late
             if best is None and budget_bytes is not None:
-                line.note("searching for the lowest peak")
-                best, stats, lowest = _lowest_fallback(problem, budget_bytes, lowest, time_limit_s, workers)
+                best, stats, lowest = _reported_lowest(problem, budget_bytes, best, stats, lowest)
             if offload and best is not None:
                 _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
@@ -193,6 +195,8 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
             line.close()
             used = clock.now() - t0
             error = PlanningTimeLimitError if cut or used >= TIME_LIMIT_USED * time_limit_s else BudgetInfeasibleError
+            if budget_bytes is not None and problem.has_backward:
+                _remember_lowest(problem, lowest)
             raise error(budget_bytes or 0, simulate(problem, lowest).peak_bytes, lower, lowest,
                         elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s)
         stats.wall_s = time.perf_counter() - wall0
@@ -232,21 +236,40 @@ def _by_segments(
     return (*_merge(problem, budget, best, stats, lowest, found, method), cut)
 
 
-def _lowest_fallback(
-    problem: Problem, budget: int, lowest: Schedule, time_limit_s: float, workers: int
-) -> tuple[Schedule | None, SolveStats, Schedule]:
-    """When nothing fits: the lowest-peak plan of a search that does not look at the budget (from the
-    program as captured, every segment replanned for the least peak, offloads when allowed), kept when
-    it fits or is the lowest seen. Being blind to the budget, in deterministic mode it reaches the same
-    peak whatever the budget: asking for the lowest peak an error reported finds that plan."""
-    found, _cut = improve_by_segments(problem, default_schedule(problem), 0, deadline=clock.now() + LOWEST_SHARE * time_limit_s,
-                                      workers=workers, offload=problem.host_bw > 0)
-    sim = simulate(problem, found)
-    if sim.peak_bytes < simulate(problem, lowest).peak_bytes:
-        lowest = found
-    if sim.peak_bytes <= budget:
-        return found, _heuristic_stats(problem, sim, "lowest-peak segment search"), lowest
-    return None, SolveStats("INFEASIBLE", float("inf"), float("inf"), float("inf"), 0.0, "cp-sat"), lowest
+def _structure(problem: Problem) -> str:
+    """A key for what decides a plan's memory: ops, storages, sizes, offloading; not op times (two captures
+    of one model measure different times but take the same plans)."""
+    h = hashlib.sha256()
+    for op in problem.ops:
+        h.update(repr((op.phase.value, op.inputs, op.outputs, op.recomputable, op.reuse, op.reuse_all,
+                       op.workspace_bytes)).encode())
+    for t in problem.tensors:
+        h.update(repr((t.bytes, t.kind.value, t.producer, t.offloadable)).encode())
+    h.update(repr((sorted(problem.outputs), sorted(problem.returned), problem.host_bw > 0,
+                   problem.host_budget_bytes)).encode())
+    return h.hexdigest()
+
+
+def _remember_lowest(problem: Problem, schedule: Schedule) -> None:
+    key = _structure(problem)
+    _LOWEST_REPORTED[key] = schedule
+    _LOWEST_REPORTED.move_to_end(key)
+    while len(_LOWEST_REPORTED) > LOWEST_REPORTED_SIZE:
+        _LOWEST_REPORTED.popitem(last=False)
+
+
+def _reported_lowest(problem: Problem, budget: int, best, stats, lowest: Schedule):
+    """(best, stats, lowest) with the lowest-peak plan an earlier error reported for a problem of this
+    structure considered: the search takes other paths at other budgets, and a user who asks for the
+    lowest peak an error reported must get that plan."""
+    known = _LOWEST_REPORTED.get(_structure(problem))
+    if known is None:
+        return best, stats, lowest
+    try:
+        simulate(problem, known)
+    except ScheduleError:
+        return best, stats, lowest
+    return _merge(problem, budget, best, stats, lowest, known, "the lowest-peak plan an earlier error reported")
 
 
 def _solve_forward_only(

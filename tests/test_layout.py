@@ -137,3 +137,13 @@ def test_no_package_attribute_hides_a_module_of_the_same_name():
         for info in pkgutil.iter_modules(mod.__path__):
             value = mod.__dict__.get(info.name)
             assert value is None or isinstance(value, types.ModuleType), f"{package}.{info.name} hides its module"
+
+
+def test_every_package_is_installed():
+    """A package missing from [tool.setuptools] packages works in an editable install and is left out of a
+    wheel: every folder with an __init__.py must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in modules(ROOTS).items() if path.name == "__init__.py"}
+    assert found <= listed, sorted(found - listed)

@@ -122,8 +122,8 @@ def run(args) -> dict:
     from benchmarks.models import llama
     from optsched.capture.offline import plan_offline
     from optsched.solvers import default_schedule, simulate
-    from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, plan_digest,
-                                      saved_bytes, with_schedule)
+    from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, heuristic_schedule,
+                                      plan_digest, saved_bytes, with_schedule)
 
     cfg = _config()
     batch, seq = args.batch, args.seq
@@ -196,6 +196,14 @@ def run(args) -> dict:
               f"(x{step_s / fastest_step_s:.3f}), {s['n_recomputed']} recomputed, {s['n_offloaded']} offloaded "
               f"({time.perf_counter() - t2:.1f} s)", flush=True)
 
+    # the reference torchtitan compares against: full activation checkpointing of every block
+    ac_sim = simulate(fastest.problem, heuristic_schedule("full_recompute", fastest.problem))
+    full_ac = memory.with_block(ac_sim.peak_bytes, saved_bytes(fastest.problem, ac_sim, arg_bytes))
+    full_ac_row = {"predicted_peak_bytes": full_ac.total, "memory": full_ac.describe(),
+                   "step_time_s": cfg.n_layer * ac_sim.time_s + root_sim.time_s}
+    print(f"full activation checkpointing: {full_ac.total / GIB:.2f} GiB, step {full_ac_row['step_time_s'] * 1e3:.1f} ms",
+          flush=True)
+
     paths = [r["plan_file"] for r in rows if "plan_file" in r]
     cmd = [sys.executable, "-m", "benchmarks.fsdp_offline", "--child", json.dumps({}), "--batch", str(batch),
            "--seq", str(seq), "--paths", *paths]
@@ -214,6 +222,7 @@ def run(args) -> dict:
         "fastest": {"predicted_peak_bytes": fastest_memory.total, "memory": fastest_memory.describe(),
                     "step_time_s": cfg.n_layer * fastest.sim.time_s + root_sim.time_s,
                     "block_peak_bytes": fastest.predicted_peak_bytes},
+        "full_activation_checkpointing": full_ac_row,
         "root": {"unplanned_peak_bytes": root_sim.peak_bytes, "activations_bytes": root_act,
                  "time_s": root_sim.time_s, "plan_s": t_root},
         "rows": rows, "torch": torch.__version__,
@@ -225,7 +234,9 @@ def run(args) -> dict:
 def table(result: dict) -> str:
     out = [f"{result['model']}; per rank batch {result['per_rank_batch'][0]} x {result['per_rank_batch'][1]}",
            f"fastest block plan: per rank {result['fastest']['predicted_peak_bytes'] / GIB:.2f} GiB, "
-           f"step {result['fastest']['step_time_s'] * 1e3:.1f} ms",
+           f"step {result['fastest']['step_time_s'] * 1e3:.1f} ms; full activation checkpointing: per rank "
+           f"{result['full_activation_checkpointing']['predicted_peak_bytes'] / GIB:.2f} GiB, "
+           f"step {result['full_activation_checkpointing']['step_time_s'] * 1e3:.1f} ms",
            f"{'budget':>10} {'predicted':>10} {'step ms':>9} {'x fastest':>9} {'recomp':>6} {'offl':>5} "
            f"{'block plan':>15} {'plan s':>7} {'8 ranks load':>12}"]
     for r in result["rows"]:

@@ -523,7 +523,7 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     blocks: the modules to shard and plan (default: the nn.ModuleList holding the most parameters); they must
     be alike (same class and parameter shapes), as a transformer's layers are.
     mesh, reshard_after_forward: passed to fully_shard. group: the process group the plan is shared in (default:
-    the mesh's, else the world). Other options are optsched.optimize's.
+    the mesh's, else the world). Other options are optsched.optimize's, but `plan` (no plan files yet).
 
     Collective: every rank calls it. Rank `src` plans the first block (unsharded): the fastest plan that keeps
     the per-rank total within mem_budget (the solver's for a block budget, or a whole-block schedule such as
@@ -531,6 +531,9 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     from torch.distributed.fsdp import fully_shard
 
     _check_options(options)
+    if options.get("plan") is not None:
+        raise ValueError("optimize_fsdp does not read or write plan files yet (plan=...): its block plans are chosen "
+                         "with the per-rank terms and carried to every rank")
     budget = parse_budget(mem_budget, of="a rank's memory")
     if budget.fraction is not None:
         raise ValueError("optimize_fsdp takes mem_budget per rank in bytes or with a unit ('40GB'), not a percentage")

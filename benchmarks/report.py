@@ -507,6 +507,51 @@ def scaling_llama_table(d: dict) -> str:
     return "\n\n".join(out)
 
 
+def chunking_table(d: dict) -> str:
+    """benchmarks/chunking.py: forced chunk counts, the planner's choice at three budgets, chunk or recompute."""
+    mm = re.compile(r"^(mm|addmm|bmm|baddbmm|_scaled_dot_product)")
+    mib = lambda b: "-" if b is None else f"{b / MIB:.1f}"  # noqa: E731
+    c = d["config"]
+    lines = [
+        f"vocabulary {c['vocab_size']}, {c['n_layer']} layers, width {c['n_embd']}, batch {c['batch']} x {c['seq']} tokens, "
+        f"{c['threads']} CPU threads; eager peak {mib(d['eager_peak_bytes'])} MiB.",
+        "",
+        "| chunks | budget MiB | predicted peak MiB | measured peak MiB | estimated ms | step ms | x eager | recomputed ops "
+        "| max grad diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for part, rows in (("forced", d["forced"]), ("chosen", d["choice"])):
+        for r in rows:
+            if r.get("infeasible"):
+                lines.append(f"| none fits | {mib(r['budget_bytes'])} | lowest found {mib(r['lowest_peak_bytes'])} | | | | | | |")
+                continue
+            budget = "none" if r["budget_bytes"] is None else f"{mib(r['budget_bytes'])} ({r['fraction']:.0%})"
+            rec = f"{r['n_recomputed']}" + (f" ({len(r['recomputed_matmuls'])} matmuls)" if r["recomputed_matmuls"] else "")
+            lines.append(
+                f"| {r['chunks']} ({part}) | {budget if part == 'chosen' else '-'} | {mib(r['predicted_peak_bytes'])} | "
+                f"{mib(r['measured_peak_bytes'])} | {r['estimated_time_s'] * 1e3:.0f} | {r['step_s'] * 1e3:.0f} | "
+                f"{r['time_ratio']:.2f} | {rec} | {r['max_grad_diff']:.1e} |")
+    lines += ["", "Chunk or recompute (chunking on; the 1-chunk candidate is the recompute-only plan, same op costs and "
+                  "budget):", "",
+              "| budget MiB | recompute only: estimated ms | recomputed (matmuls) | chosen chunks | estimated ms "
+              "| recomputed |", "|---|---|---|---|---|---|"]
+    for r in d["recompute_sweep"]:
+        if r.get("infeasible"):
+            lines.append(f"| {mib(r['budget_bytes'])} | no plan fits | | | | |")
+            continue
+        one = next(t for t in r["trials"] if t["chunks"] == 1)
+        rec = (f"{one['estimated_time_s'] * 1e3:.0f} | {one['n_recomputed']} "
+               f"({sum(bool(mm.match(n)) for n in one['recomputed'])})") if one["fits"] else "does not fit | -"
+        lines.append(f"| {mib(r['budget_bytes'])} ({r['fraction']:.0%}) | {rec} | {r['chunks']} | "
+                     f"{r['estimated_time_s'] * 1e3:.0f} | {r['n_recomputed']} |")
+    at = (d.get("chunk_or_recompute") or {}).get("chosen")
+    if at and "measured_peak_bytes" in at:
+        lines += ["", f"The plan chosen at {mib(at['budget_bytes'])} MiB, measured: {at['chunks']} chunks, "
+                      f"{mib(at['measured_peak_bytes'])} MiB (predicted {mib(at['predicted_peak_bytes'])}), "
+                      f"{at['time_ratio']:.2f}x eager's step time, gradients within {at['max_grad_diff']:.1e} of eager's."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
@@ -520,6 +565,7 @@ TABLES = {
     "zoo": ("zoo.json", zoo_table),
     "tight": ("tight_budgets.json", tight_tables),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
+    "chunking": ("chunking.json", chunking_table),
 }
 
 

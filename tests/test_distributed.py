@@ -84,6 +84,8 @@ def test_fsdp2_blocks_planned_same_gradients_and_shards_peak_within_budget():
     assert r0["tight_digests"] == r1["tight_digests"] and len(set(r0["tight_digests"])) == 1
     assert r0["infeasible"] == r1["infeasible"]
     assert r0["infeasible"].startswith("BudgetInfeasibleError: no plan fits the per-rank budget")
+    assert "optimize_fsdp" in r0["optimize_sharded"] and "FSDP2" in r0["optimize_sharded"]
+    assert "FSDP2's all-gather and reduce-scatter hooks" in r0["shard_optimized"] and "optimize_fsdp" in r0["shard_optimized"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +213,23 @@ def _fsdp(rank: int, world: int) -> dict:
         tight_grads_equal=all(torch.equal(local(a.grad), local(b.grad)) for a, b in zip(ref2.parameters(), tight.parameters())),
         tight_digests=[od.plan_digest(b.forward.plan) for b in tight.blocks],
     )
+    # the two orders issue 17 reported: each now an error that names optimize_fsdp (no copy.copy TypeError)
+    sharded = build(cfg)
+    for b in sharded.blocks:
+        fully_shard(b)
+    fully_shard(sharded)
+    try:
+        optsched.optimize(sharded, None)
+        out["optimize_sharded"] = "no error"
+    except TypeError as e:
+        out["optimize_sharded"] = str(e)
+    late = optsched.optimize(build(cfg), None)
+    fully_shard(late)
+    try:
+        late(x, y)
+        out["shard_optimized"] = "no error"
+    except optsched.CaptureError as e:
+        out["shard_optimized"] = str(e)
     try:
         od.optimize_fsdp(build(cfg), int(0.6 * 2**20), example_inputs=(x, y), time_limit_s=1.0)
         out["infeasible"] = "no error"

@@ -404,6 +404,13 @@ def _remat_candidates(
     kept = prune_recomputes(problem, budget, fw_order, bw_order, res.recompute) if budget is not None else res.recompute
     sched = place_recomputes(problem, fw_order, bw_order, kept)
     sim = simulate(problem, sched)
+    repaired = ""
+    if not _fits(sim, budget):  # the model's plan is over in the simulator: recompute more, greedily, from it
+        fixed = simulate(problem, greedy_recompute(problem, budget, fw_order, bw_order, start=set(kept)))
+        if _fits(fixed, budget):
+            kept = prune_recomputes(problem, budget, fw_order, bw_order, set(fixed.recomputed_ops))
+            sched = place_recomputes(problem, fw_order, bw_order, kept)
+            sim, repaired = simulate(problem, sched), " (repaired greedily)"
     base_s = sum(problem.ops[o].time_s for o in fw_order + bw_order)
     bound = base_s  # every op once; the interval model's own bound is not valid (it over-counts memory)
     # the interval model counts memory conservatively: its OPTIMAL proves nothing about the simulator's
@@ -415,7 +422,7 @@ def _remat_candidates(
         bound_s=bound,
         gap=max(0.0, (sim.time_s - bound) / sim.time_s) if sim.time_s > 0 else 0.0,
         wall_s=time.perf_counter() - t_start,
-        method=f"cp-sat save/recompute, {label}",
+        method=f"cp-sat save/recompute{repaired}, {label}",
         notes=notes,
     )
     out.append(_Candidate(sched, sim, stats))

@@ -132,7 +132,9 @@ class Planner:
         """The plan for this graph and, per op of its problem, the node or fusion group it runs: from
         the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
         fp = fingerprint(gm)
-        path = plan_path(self.settings.plan_spec, fp["hash"], self.made_for(name))
+        # the cache keys the chunking setting too: a plan chunked under chunking=True is not replayed without it
+        path = plan_path(self.settings.plan_spec, fp["hash"],
+                         {**self.made_for(name), "chunk_counts": list(self.settings.chunk_counts)})
         pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
         if pf is None and path is not None and path.exists():
             pf = load_plan(path)

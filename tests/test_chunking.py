@@ -249,3 +249,17 @@ def test_hf_gpt2_planned_with_chunking_at_half_its_peak():
     assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= SCALAR_SLACK
     assert measured.peak_bytes <= plan.budget_bytes
     _close(measured.grads, grads)
+
+
+def test_the_plan_cache_keeps_chunked_plans_apart(tmp_path, monkeypatch):
+    """plan="auto": a plan chunked under chunking=4 is not what a later optimize() without chunking replays."""
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(tmp_path))
+    model, inputs = _gpt()
+    chunked = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=4, plan="auto").plan
+    assert chunked.summary()["chunks"] == {"lm_head": 4}
+    plain = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, plan="auto").plan
+    assert not any(k > 1 for k in (plain.summary()["chunks"] or {}).values())
+    again = optsched.optimize(model, example_inputs=inputs, time_limit_s=TIME_LIMIT_S, chunking=4, plan="auto").plan
+    assert any(n.startswith("loaded from") for n in again.stats.notes)  # each setting still finds its own
+    assert again.summary()["chunks"] == {"lm_head": 4}
+    assert len(list(tmp_path.glob("*.json"))) == 2

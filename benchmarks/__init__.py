@@ -9,3 +9,20 @@ def write_result(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     print(f"wrote {path}")
+
+
+def timed_step(call, model, inputs):
+    """One training step of `call` (grads cleared first), for measure_ratio / measure_time."""
+    def run():
+        for p in model.parameters():
+            p.grad = None
+        call(*inputs).backward()
+
+    return run
+
+
+def max_grad_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two {name: gradient} dicts (inf when their names differ)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import optsched
-from benchmarks import write_result
+from benchmarks import max_grad_diff, timed_step, write_result
 from benchmarks.models.gpt import GPTConfig, build, make_batch
 from optsched.measure import measure_ratio, measure_training_step
 
@@ -33,21 +33,6 @@ MATMUL = re.compile(r"^(mm|addmm|bmm|baddbmm|_scaled_dot_product)")
 FORCED = (1, 8, 32, 64)
 CHOICE_FRACTIONS = (None, 0.5, 0.25)
 RECOMPUTE_FRACTIONS = (0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8, 0.75, 0.7)
-
-
-def _timed_step(call, model, inputs):
-    def run():
-        for p in model.parameters():
-            p.grad = None
-        call(*inputs).backward()
-
-    return run
-
-
-def _max_grad_diff(a: dict, b: dict) -> float:
-    if a.keys() != b.keys():
-        return float("inf")
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def _recomputed(plan) -> tuple[int, list[str]]:
@@ -92,7 +77,7 @@ def run_case(model, inputs, eager: dict, budget_bytes: int | None, chunking, tim
 def measure_row(row: dict, opt, model, inputs, eager: dict, repeat: int) -> None:
     budget_bytes = row["budget_bytes"]
     m = measure_training_step(opt, model, inputs)
-    t, t_eager = measure_ratio(_timed_step(opt, model, inputs), _timed_step(model, model, inputs),
+    t, t_eager = measure_ratio(timed_step(opt, model, inputs), timed_step(model, model, inputs),
                                warmup=1, repeat=repeat)
     row.update({
         "measured_peak_bytes": m.peak_bytes,
@@ -101,7 +86,7 @@ def measure_row(row: dict, opt, model, inputs, eager: dict, repeat: int) -> None
         "step_s": t,
         "eager_step_s": t_eager,
         "time_ratio": t / t_eager,
-        "max_grad_diff": _max_grad_diff(m.grads, eager["grads"]),
+        "max_grad_diff": max_grad_diff(m.grads, eager["grads"]),
     })
 
 

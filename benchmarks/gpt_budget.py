@@ -17,28 +17,13 @@ from pathlib import Path
 import torch
 
 import optsched
-from benchmarks import write_result
+from benchmarks import max_grad_diff, timed_step, write_result
 from benchmarks.models.gpt import GPTConfig, build, make_batch
 from optsched.measure import measure_ratio, measure_time, measure_training_step
 
 MIB = 2**20
 RESULTS = Path(__file__).parent / "results"
 MINCUT_KNOBS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
-
-
-def _timed_step(call, model, inputs):
-    def run():
-        for p in model.parameters():
-            p.grad = None
-        call(*inputs).backward()
-
-    return run
-
-
-def _max_grad_diff(a: dict, b: dict) -> float:
-    if a.keys() != b.keys():
-        return float("inf")
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def run_optsched(
@@ -51,7 +36,7 @@ def run_optsched(
     first_call_s = time.perf_counter() - t0
     plan = opt.plan
     m = measure_training_step(opt, model, inputs)
-    t, t_eager = measure_ratio(_timed_step(opt, model, inputs), _timed_step(model, model, inputs), repeat=repeat)
+    t, t_eager = measure_ratio(timed_step(opt, model, inputs), timed_step(model, model, inputs), repeat=repeat)
     s = plan.summary()
     return {
         "budget_bytes": budget_bytes,
@@ -62,7 +47,7 @@ def run_optsched(
         "step_s": t,
         "eager_step_s": t_eager,
         "time_ratio": t / t_eager,
-        "max_grad_diff": _max_grad_diff(m.grads, eager["grads"]),
+        "max_grad_diff": max_grad_diff(m.grads, eager["grads"]),
         "plan_s": s["solve_time_s"],
         "first_call_s": first_call_s,
         "solver_status": s["solver_status"],
@@ -85,13 +70,13 @@ def run_mincut(model, inputs, repeat: int, backend: str = "aot_eager_decomp_part
         with torch._functorch.config.patch(activation_memory_budget=knob):
             compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
             t0 = time.perf_counter()
-            _timed_step(compiled, model, inputs)()  # compile outside the measurements
+            timed_step(compiled, model, inputs)()  # compile outside the measurements
             compile_s = time.perf_counter() - t0
             m = measure_training_step(compiled, model, inputs)
-            t, t_eager = measure_ratio(_timed_step(compiled, model, inputs), _timed_step(model, model, inputs), repeat=repeat)
+            t, t_eager = measure_ratio(timed_step(compiled, model, inputs), timed_step(model, model, inputs), repeat=repeat)
         out.append({"activation_memory_budget": knob, "measured_peak_bytes": m.peak_bytes, "step_s": t,
                     "eager_step_s": t_eager, "time_ratio": t / t_eager, "first_call_s": compile_s,
-                    "max_grad_diff": _max_grad_diff(m.grads, eager_grads) if eager_grads else None})
+                    "max_grad_diff": max_grad_diff(m.grads, eager_grads) if eager_grads else None})
     torch._dynamo.reset()
     return out
 
@@ -142,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     m = measure_training_step(model, model, inputs)
     eager = {"measured_peak_bytes": m.peak_bytes, "grads": m.grads,
-             "step_s": measure_time(_timed_step(model, model, inputs), repeat=args.repeat)}
+             "step_s": measure_time(timed_step(model, model, inputs), repeat=args.repeat)}
     rows = []
     for frac in [float(f) for f in args.budgets.split(",")]:
         budget = int(frac * eager["measured_peak_bytes"])

@@ -33,6 +33,20 @@ from optsched.solvers.synthetic import chain_training_problem
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's own SIGINT handler for each test, whatever the runner inherited: a test run started in
+    the background of a non-interactive shell has SIGINT ignored, and Ctrl-C could not be tested."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def _default_sigint() -> None:
+    """In a child before exec: SIGINT at its default, so that Python installs its handler there."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _solving() -> bool:
     return any(t.name == SOLVER_THREAD and t.is_alive() for t in threading.enumerate())
 
@@ -152,7 +166,7 @@ def test_cli_plan_interrupted_while_solving_exits_130_with_one_line(tmp_path):
         [sys.executable, "-m", "optsched.cli", "plan", "benchmarks.models.gpt:build", "--kwargs", '{"cfg": {"n_layer": 2}}',
          "--inputs", "8x128:int64,8x128:int64", "--budget", "50%", "--no-offload", "--profile", "cpu",
          "--time-limit", "60", "-o", str(out)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint,
     )
     try:
         err = _read_until(proc, (b" ops: ", b"Traceback", b"error:"), timeout=180)

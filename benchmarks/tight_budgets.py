@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 import optsched
+from benchmarks import timed_step
 from benchmarks.scaling_llama import git_state
 from optsched.measure import measure_ratio
 
@@ -162,8 +163,8 @@ def measure_plan(opt, step, row: dict, eager: dict, eager_grads: dict, repeat: i
         del m
         if repeat > 0:
             stage = "timing"
-            t, t_eager = measure_ratio(zoo._timed(call, step.module, step.inputs),
-                                       zoo._timed(step.call, step.module, step.inputs), warmup=1, repeat=repeat)
+            t, t_eager = measure_ratio(timed_step(call, step.module, step.inputs),
+                                       timed_step(step.call, step.module, step.inputs), warmup=1, repeat=repeat)
             row.update({"step_s": t, "eager_step_s": t_eager, "time_ratio": t / t_eager})
     except optsched.BudgetInfeasibleError as e:  # the second plan (for the observed output use) did not fit
         row.update({"infeasible_on_replan": True, "lowest_peak_bytes": e.lowest_peak_bytes,

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import optsched
-from benchmarks import write_result
+from benchmarks import timed_step, write_result
 from optsched.measure import measure_ratio, measure_training_step
 
 MIB = 2**20
@@ -290,15 +290,6 @@ def _max_grad_diff(a: dict, b: dict) -> float | None:
     return max(((a[k] - b[k]).abs().max().item() for k in a), default=0.0)
 
 
-def _timed(call, module, inputs):
-    def run():
-        for p in module.parameters():
-            p.grad = None
-        call(*inputs).backward()
-
-    return run
-
-
 def _measure(call, module, inputs, seed: int):
     torch.manual_seed(seed)
     return measure_training_step(call, module, inputs)
@@ -370,7 +361,7 @@ def run_budget(case: Case, step: ZooStep, eager: dict, eager_grads: dict, fracti
             row["predicted_vs_measured"] = (row["predicted_peak_bytes"] - m.peak_bytes) / m.peak_bytes
         if repeat > 0:
             stage = "timing"
-            t, t_eager = measure_ratio(_timed(call, step.module, step.inputs), _timed(step.call, step.module, step.inputs),
+            t, t_eager = measure_ratio(timed_step(call, step.module, step.inputs), timed_step(step.call, step.module, step.inputs),
                                        warmup=1, repeat=repeat)
             row["time_ratio"] = t / t_eager
     except optsched.BudgetInfeasibleError as e:

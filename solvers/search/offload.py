@@ -26,12 +26,16 @@ def prefetch_position(problem: Problem, sim: SimResult, tensor: int, lead: float
     """The latest backward position whose compute before `tensor`'s first backward reader lasts `lead` copy times."""
     n_fw = sim.n_forward_steps
     first = next(k for k in range(n_fw, len(sim.steps)) if (tensor, False) in sim.reads[k])
-    need = lead * problem.tensors[tensor].bytes / problem.host_bw
-    k, ahead = first, 0.0
-    while k > n_fw and ahead < need:
+    return step_with_compute_before(problem, sim, first, lead * problem.tensors[tensor].bytes / problem.host_bw) - n_fw
+
+
+def step_with_compute_before(problem: Problem, sim: SimResult, k: int, seconds: float) -> int:
+    """The latest step (not before the backward) whose compute up to step `k` lasts `seconds`."""
+    ahead = 0.0
+    while k > sim.n_forward_steps and ahead < seconds:
         k -= 1
         ahead += problem.ops[sim.steps[k][0]].time_s
-    return k - n_fw
+    return k
 
 
 def _offloadable_at_peak(problem: Problem, sim: SimResult, host_left: int) -> list[int]:

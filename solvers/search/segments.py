@@ -20,6 +20,7 @@ from ..cpsat.segment import OffloadWindow, free_ops, replan_segment
 from ..model.problem import Problem, Schedule
 from ..model.simulator import ScheduleError, SimResult, simulate
 from .blocks import Groups, find_groups, op_signature, segments
+from .offload import step_with_compute_before
 
 SEGMENT_S = 2.0  # the most one segment model may take
 PREFETCH_LEAD = 1.0  # a segment's offloads come back this many copy times of compute before it
@@ -82,12 +83,7 @@ def offload_window(problem: Problem, sim: SimResult, a: int, free: list[int]) ->
 
 def prefetch_step(problem: Problem, sim: SimResult, a: int, nbytes: int) -> int:
     """The latest step (not before the backward) with PREFETCH_LEAD copy times of `nbytes` of compute before `a`."""
-    need = PREFETCH_LEAD * nbytes / problem.host_bw
-    k, ahead = a, 0.0
-    while k > sim.n_forward_steps and ahead < need:
-        k -= 1
-        ahead += problem.ops[sim.steps[k][0]].time_s
-    return k
+    return step_with_compute_before(problem, sim, a, PREFETCH_LEAD * nbytes / problem.host_bw)
 
 
 def improve_by_segments(

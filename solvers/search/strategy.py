@@ -266,10 +266,9 @@ def _reported_lowest(problem: Problem, budget: int, best, stats, lowest: Schedul
     if known is None:
         return best, stats, lowest
     try:
-        simulate(problem, known)
-    except ScheduleError:
+        return _merge(problem, budget, best, stats, lowest, known, "the lowest-peak plan an earlier error reported")
+    except ScheduleError:  # not a plan of this problem after all
         return best, stats, lowest
-    return _merge(problem, budget, best, stats, lowest, known, "the lowest-peak plan an earlier error reported")
 
 
 def _solve_forward_only(

@@ -174,7 +174,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
     segs_now = {s[2]: s for s in segments(problem, sim, groups)}
     if g not in segs_now:
         return sched, sim
-    steps = sim.steps  # segment positions refer to this plan; later copies are found by content (_replace)
+    steps = sim.steps  # segment positions refer to this plan; later copies are found by content (replace_run)
     a, b, _ = segs_now[g]
     solved = steps[a:b]
     old_index = {s: i for i, s in enumerate(old_steps)}
@@ -187,7 +187,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             continue
         fw_map = dict(zip(groups.members[g], groups.members[h]))
         mapped = _translate(solved, old_index, target_old, fw_map)
-        trial = None if mapped is None else _replace(problem, sim, target_old, mapped, _map_offloads(problem, moved, fw_map))
+        trial = None if mapped is None else replace_run(problem, sim, target_old, mapped, map_offloads(problem, moved, fw_map))
         if trial is None:
             continue
         try:
@@ -221,7 +221,7 @@ def _translate(solved, old_index: dict, target_old: list, fw_map: dict) -> list 
     return out
 
 
-def _map_offloads(problem: Problem, moved, fw_map: dict) -> tuple[set[int], set[int]] | None:
+def map_offloads(problem: Problem, moved, fw_map: dict) -> tuple[set[int], set[int]] | None:
     """(tensors whose offloading is redecided, tensors offloaded) in the block `fw_map` leads to."""
     if moved is None:
         return None
@@ -232,7 +232,7 @@ def _map_offloads(problem: Problem, moved, fw_map: dict) -> tuple[set[int], set[
     return outs, {t for f in offloaded for t in problem.ops[fw_map[f]].outputs}
 
 
-def _replace(problem: Problem, sim: SimResult, old: list, new: list, offloads=None) -> Schedule | None:
+def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads=None) -> Schedule | None:
     """The plan with the run of steps `old` (found in its backward) replaced by `new`; `offloads`:
     (tensors whose offloading is redecided, those offloaded: prefetched ahead of the run)."""
     n_fw = sim.n_forward_steps

@@ -18,7 +18,13 @@ are read (instead of the forward's copies) by every later backward step; `offloa
   forward copy) are offloaded, to a problem with host bandwidth and within its host budget; each comes back
   at or before its first backward read of the forward copy (so no read sees a copy on the host).
 
+- formed fusion options (`schedule.formed`): each names an option of the problem, whose members run at
+  consecutive positions of their phase's order; a forward group recomputed in the backward is recomputed
+  whole, at consecutive positions.
+
 `violations(problem, schedule)` lists what breaks (empty: valid); `assert_valid` raises with the list.
+`fused_replay(problem, schedule)` gives peak and time with formed groups as one kernel each, computed by
+collapsing each formed run into one unit first (not as the simulator does it), for schedules without offloads.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
     for o in set(recomputed):
         if not ops[o].recomputable:
             out.append(f"{ops[o].name} is recomputed but is not recomputable")
+    if out:
+        return out
+
+    out += _formed_violations(problem, schedule)
     if out:
         return out
 
@@ -111,6 +121,116 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
     if problem.host_budget_bytes is not None and host > problem.host_budget_bytes:
         out.append(f"offloads take {host} bytes of host memory, over the host budget {problem.host_budget_bytes}")
     return out
+
+
+def _formed_violations(problem: Problem, schedule: Schedule) -> list[str]:
+    out = []
+    options = problem.fusion_options
+    for i in schedule.formed:
+        if not 0 <= i < len(options):
+            out.append(f"formed fusion option {i} does not exist")
+            continue
+        members = set(options[i].members)
+        for order, what in ((schedule.fw_order, "forward"), (schedule.bw_order, "backward")):
+            at = [k for k, o in enumerate(order) if o in members]
+            if not at:
+                continue
+            if len(at) != len(members):
+                out.append(f"fusion option {i} is formed but only {len(at)} of its {len(members)} ops run in the {what} order")
+            elif at != list(range(at[0], at[0] + len(at))):
+                out.append(f"fusion option {i} is formed but its ops are not consecutive in the {what} order: {at}")
+    return out
+
+
+def fused_replay(problem: Problem, schedule: Schedule) -> tuple[int, float]:
+    """(peak bytes, time) of a valid schedule without offloads: formed runs collapsed into one unit each
+    (reads from outside it, outputs, internal values of 0 bytes, the option's time and scratch space),
+    then live bytes per unit: a copy lives from the unit making it to the last unit reading it; inputs all
+    program, tangents through the backward, outputs to the end, returned values to the forward's end;
+    storage reuse by ops outside formed groups; the caller's loss boundary."""
+    assert not schedule.offload, "fused_replay does not model offloads"
+    ops, tensors = problem.ops, problem.tensors
+    fw = {o.id for o in ops if o.phase == Phase.FW}
+    # units: (ops, recomputation?, option index or None)
+    formed_of = {o: i for i in schedule.formed for o in problem.fusion_options[i].members}
+    units: list[tuple[list[int], bool, int | None]] = []
+    for order, in_bw in ((schedule.fw_order, False), (schedule.bw_order, True)):
+        for o in order:
+            rc = in_bw and o in fw
+            i = formed_of.get(o)
+            if i is not None and units and units[-1][2] == i and units[-1][1] == rc:
+                units[-1][0].append(o)
+            else:
+                units.append(([o], rc, i))
+    n_fw = next((k for k, u in enumerate(units) if u[1] or ops[u[0][0]].phase == Phase.BW), len(units))
+    readers: dict[int, set[int]] = {}
+    for op in ops:
+        for t in op.inputs:
+            readers.setdefault(t, set()).add(op.id)
+    hidden: set[int] = set()
+    for i in schedule.formed:
+        members = set(problem.fusion_options[i].members)
+        for o in members:
+            for t in ops[o].outputs:
+                if t not in problem.outputs and t not in problem.returned and readers.get(t) and readers[t] <= members:
+                    hidden.add(t)
+    size = {t.id: 0 if t.id in hidden else t.bytes for t in tensors}
+    last = len(units) - 1
+    start: dict[tuple[int, bool], int] = {}
+    end: dict[tuple[int, bool], int] = {}
+    for t in tensors:
+        if t.kind == TensorKind.INPUT:
+            start[(t.id, False)], end[(t.id, False)] = 0, last
+        elif t.kind == TensorKind.TANGENT:
+            start[(t.id, False)], end[(t.id, False)] = n_fw, last
+    rc_done: set[int] = set()
+    read_key: list[dict[int, tuple[int, bool]]] = []
+    time_s = 0.0
+    for k, (members, rc, i) in enumerate(units):
+        made_here = {t for o in members for t in ops[o].outputs}
+        keys = {}
+        for o in members:
+            for t in ops[o].inputs:
+                if t in made_here:
+                    continue
+                key = (t, k >= n_fw and tensors[t].producer in rc_done)
+                end[key] = max(end[key], k)
+                keys[t] = key
+        read_key.append(keys)
+        for t in made_here:
+            start[(t, rc)] = end[(t, rc)] = k
+        if rc:
+            rc_done.update(members)
+        time_s += problem.fusion_options[i].time_s if i is not None else sum(ops[o].time_s for o in members)
+    for t in problem.outputs:
+        if (t, False) in end:
+            end[(t, False)] = last
+    for t in problem.returned:
+        if (t, False) in end:
+            end[(t, False)] = max(end[(t, False)], n_fw - 1)
+    visible = problem.outputs | problem.returned
+    for k, (members, _rc, i) in enumerate(units):
+        if i is not None:
+            continue
+        op = ops[members[0]]
+        dying = [read_key[k][inp] for _out, inp in op.reuse
+                 if tensors[inp].kind == TensorKind.ACTIVATION and inp not in visible
+                 and end[read_key[k][inp]] == k and start[read_key[k][inp]] < k]
+        dying = (dying if len(dying) == len(op.reuse) else []) if op.reuse_all else dying[:1]
+        for key in dying:
+            end[key] = k - 1
+    peak = 0
+    for k, (members, _rc, i) in enumerate(units):
+        ws = problem.fusion_options[i].workspace_bytes if i is not None else ops[members[0]].workspace_bytes
+        peak = max(peak, ws + sum(size[t] for (t, c), s in start.items() if s <= k <= end[(t, c)]))
+    if not units:
+        peak = sum(size[t] for (t, _c) in start)
+    caller = sum(t.bytes for t in tensors if t.kind == TensorKind.CALLER)
+    if caller and len(units) > n_fw:
+        peak = max(peak, caller + sum(
+            size[t] for (t, c), s in start.items()
+            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind == TensorKind.TANGENT)))
+    return peak, time_s
 
 
 def assert_valid(problem: Problem, schedule: Schedule, where: str = "") -> None:

@@ -67,8 +67,24 @@ def replay_offload(
     reads: list[list[tuple[int, bool]]],
     saved: set[int],
     offload: dict[int, int],
+    *,
+    runs: list[tuple[int, int, float]] = (),
 ) -> OffloadReplay:
-    """Time the transfers of `offload` (tensor -> backward position of its prefetch) along `steps`."""
+    """Time the transfers of `offload` (tensor -> backward position of its prefetch) along `steps`.
+    `runs`: formed fusion groups' steps (first, last, kernel time), each one step in time: it reads all
+    its members read, takes its time at its last step, its outputs go to the host after it, and a
+    prefetch inside it is issued before it."""
+    step_time = [problem.ops[o].time_s for o, _rc in steps]
+    run_start = list(range(len(steps)))
+    run_end = list(range(len(steps)))
+    if runs:
+        reads = list(reads)
+        for first, last, time_s in runs:
+            merged = list(dict.fromkeys(key for k in range(first, last + 1) for key in reads[k]))
+            for k in range(first, last + 1):
+                reads[k], step_time[k], run_start[k], run_end[k] = merged, 0.0, first, last
+            step_time[last] = time_s
+        offload = {t: run_start[n_fw + j] - n_fw if 0 <= n_fw + j < len(steps) else j for t, j in offload.items()}
     first_read = check_offload(problem, n_fw, saved, reads, offload)
     bw = problem.host_bw
     nbytes = {t: problem.tensors[t].bytes for t in offload}
@@ -80,14 +96,14 @@ def replay_offload(
     made_at: dict[int, list[int]] = {}
     fetch_at: dict[int, list[int]] = {}
     for t, j in offload.items():
-        made_at.setdefault(spans[(t, False)][0], []).append(t)
+        made_at.setdefault(run_end[spans[(t, False)][0]], []).append(t)
         fetch_at.setdefault(n_fw + j, []).append(t)
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
     release: dict[int, int] = {}
     in_flight: list[int] = []  # copied out (or being copied), device copy not yet dropped
     d2h_free = h2d_free = now = exposed = 0.0
-    for k, (o, _rc) in enumerate(steps):
+    for k in range(len(steps)):
         if k == n_fw and in_flight:  # the forward ends: wait for what is still being copied out
             wait = max(d2h_end[t] for t in in_flight) - now
             if wait > 0:
@@ -105,7 +121,7 @@ def replay_offload(
         if late > 0:
             exposed += late
             now += late
-        now += problem.ops[o].time_s
+        now += step_time[k]
         for t in made_at.get(k, []):
             d2h_free = d2h_end[t] = max(now, d2h_free) + nbytes[t] / bw
             in_flight.append(t)

@@ -4,6 +4,13 @@ Nothing here imports torch. A `Problem` is what the planner knows about one trai
 step: ops in program order (forward, then backward), the storages they allocate and
 read, and what each op costs. A `Schedule` is one answer: the order in which ops run
 and which forward ops are recomputed inside the backward.
+
+A problem may offer fusion options (`FusionOption`): groups of ops that may run as one kernel,
+formed or not as the solver decides (`Schedule.formed`). A formed group's members run
+consecutively as one step in time and memory: its time is the option's; every input and output
+of the group is live while it runs; values made and read only inside it take no memory
+(`simulator.py` implements this; merging the group with `search.fusion_groups.fuse_ops` gives
+the same peak and time).
 """
 
 from __future__ import annotations
@@ -56,6 +63,17 @@ class Op:
     workspace_bytes: int = 0  # allocated and freed inside the op (kernel scratch), on top of its outputs
 
 
+@dataclass(frozen=True)
+class FusionOption:
+    """Ops that may run as one kernel: one phase, in program order, convex, disjoint from other options.
+    `time_s` and `workspace_bytes` are the fused kernel's."""
+
+    members: tuple[int, ...]
+    time_s: float
+    workspace_bytes: int = 0
+    name: str = ""
+
+
 @dataclass
 class Problem:
     """Ops are listed in the program's order: all forward ops, then all backward ops."""
@@ -69,10 +87,12 @@ class Problem:
     name: str = "step"
     host_bw: float = 0.0  # bytes/s of host<->device copies; 0: no offloading
     host_budget_bytes: int | None = None  # host memory offloaded activations may take; None: unlimited
+    fusion_options: tuple[FusionOption, ...] = ()  # groups the solver may form (Schedule.formed)
 
     def __post_init__(self) -> None:
         self.outputs = frozenset(self.outputs)
         self.returned = frozenset(self.returned) - self.outputs
+        self.fusion_options = tuple(self.fusion_options)
         self.validate()
 
     @property
@@ -142,6 +162,61 @@ class Problem:
                 self.ops[c].phase is Phase.FW for c in self.consumers()[t.id]
             ):
                 raise ValueError(f"tangent {t.name!r} is read in the forward")
+        self._validate_fusion_options()
+
+    def option_name(self, i: int) -> str:
+        opt = self.fusion_options[i]
+        if opt.name:
+            return opt.name
+        names = [self.ops[o].name for o in opt.members if 0 <= o < len(self.ops)]
+        return "+".join(names) if len(names) <= 4 else f"{names[0]}+{len(names) - 1} more"
+
+    def _validate_fusion_options(self) -> None:
+        """Each option: existing ops of one phase, in program order, convex, in no other option."""
+        if not self.fusion_options:
+            return
+        readers = self.consumers()
+        owner: dict[int, int] = {}
+        for i, opt in enumerate(self.fusion_options):
+            members = list(opt.members)
+            if not members:
+                raise ValueError(f"fusion option {i} has no members")
+            bad = [o for o in members if not 0 <= o < len(self.ops)]
+            if bad:
+                raise ValueError(f"fusion option {i} names op {bad[0]}, which does not exist")
+            label = f"fusion option {i} ({self.option_name(i)})"
+            if members != sorted(set(members)):
+                raise ValueError(f"{label}: members are not in program order")
+            if len({self.ops[o].phase for o in members}) != 1:
+                raise ValueError(f"{label} mixes forward and backward ops")
+            if opt.time_s < 0 or opt.workspace_bytes < 0:
+                raise ValueError(f"{label}: negative time or scratch bytes")
+            for o in members:
+                if o in owner:
+                    raise ValueError(f"op {self.ops[o].name!r} is in fusion options {owner[o]} and {i}")
+                owner[o] = i
+            path = convexity_violation(self, members, readers)
+            if path is not None:
+                raise ValueError(f"{label} is not convex: a path leaves it through op {self.ops[path].name!r} and comes back")
+
+
+def convexity_violation(problem: Problem, group: list[int], readers: dict[int, list[int]] | None = None) -> int | None:
+    """An op outside `group` (sorted op ids) on a path from a member to a member, or None (convex)."""
+    inside = set(group)
+    readers = problem.consumers() if readers is None else readers
+    frontier = [(r, r) for o in group for t in problem.ops[o].outputs for r in readers[t] if r not in inside]
+    seen: set[int] = set()
+    while frontier:
+        o, first = frontier.pop()
+        if o in seen or o > group[-1]:
+            continue
+        seen.add(o)
+        for t in problem.ops[o].outputs:
+            for r in readers[t]:
+                if r in inside:
+                    return first
+                frontier.append((r, first))
+    return None
 
 
 class ScheduleError(ValueError):
@@ -154,11 +229,18 @@ class Schedule:
 
     `offload` maps a saved activation to the backward position (index into `bw_order`)
     before which it is copied back from the host; it is copied out as soon as it is made.
+
+    `formed`: indices of the problem's fusion options run as one kernel (members consecutive in their
+    phase's order; a recomputed forward group is recomputed whole, consecutively).
     """
 
     fw_order: list[int]
     bw_order: list[int]
     offload: dict[int, int] = field(default_factory=dict)
+    formed: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.formed = tuple(sorted(set(self.formed)))
 
     def recomputed(self, problem: Problem) -> list[int]:
         return [o for o in self.bw_order if problem.ops[o].phase is Phase.FW]
@@ -168,6 +250,7 @@ class Schedule:
             "fw_order": list(self.fw_order),
             "bw_order": list(self.bw_order),
             "offload": {str(t): j for t, j in sorted(self.offload.items())},
+            **({"formed": list(self.formed)} if self.formed else {}),
         }
 
     @classmethod
@@ -176,6 +259,7 @@ class Schedule:
             fw_order=[int(i) for i in d["fw_order"]],
             bw_order=[int(i) for i in d["bw_order"]],
             offload={int(t): int(j) for t, j in d.get("offload", {}).items()},
+            formed=tuple(int(i) for i in d.get("formed", ())),
         )
 
 

@@ -6,6 +6,7 @@ inputs and outputs are therefore live together while it runs; a storage nobody
 reads lives only during the step that makes it. Inputs live all step, outputs of
 the step live to its end, forward results the caller drops after the forward
 (`Problem.returned`) at least to the forward's end, tangents from the start of the backward.
+A formed fusion option's steps count as one (fusion_sim.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import clock
+from .fusion_sim import formed_runs, hidden_bytes, merge_runs, step_workspace
 from .offload_sim import OffloadEvent, replay_offload
 from .problem import Phase, Problem, Schedule, ScheduleError, TensorKind
 
@@ -73,19 +75,27 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     steps = _steps(problem, schedule)
     clock.charge(len(steps) * clock.SIMULATED_STEP_S)
     n_fw = len(schedule.fw_order)
+    runs = formed_runs(problem, schedule, steps)
     walk = _walk(problem, steps, n_fw)
     span = walk.span
+    if runs:
+        fused_s, fused_rc_s = merge_runs(problem, runs, steps, span, walk.reads)
+        walk.time_s -= fused_s
+        walk.recompute_s -= fused_rc_s
     _hold_caller_values(problem, span, n_fw, last=max(len(steps) - 1, 0))
     saved = _saved_across_boundary(problem, span, n_fw)
-    reused = _apply_reuse(problem, steps, n_fw, span)
+    in_runs = {k for r in runs for k in range(r.start, r.end + 1)}
+    reused = _apply_reuse(problem, steps, n_fw, span, in_runs)
     time_s = walk.time_s
     offload = None
     if schedule.offload:
-        offload = replay_offload(problem, steps, n_fw, span, walk.reads, set(saved), schedule.offload)
+        offload = replay_offload(problem, steps, n_fw, span, walk.reads, set(saved), schedule.offload,
+                                 runs=[(r.start, r.end, problem.fusion_options[r.option].time_s) for r in runs])
         time_s += offload.exposed_s
     lifetimes = _lifetimes(span, offload)
-    timeline = _timeline(problem, steps, lifetimes, span)
-    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps))
+    nbytes = hidden_bytes(problem, runs) if runs else [t.bytes for t in problem.tensors]
+    timeline = _timeline(steps, lifetimes, span, nbytes, step_workspace(problem, steps, runs))
+    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps), nbytes)
     peak = max(timeline + [boundary])
     return SimResult(
         peak_bytes=peak,
@@ -210,24 +220,25 @@ def _lifetimes(span: dict, offload) -> list[Lifetime]:
     return lifetimes
 
 
-def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict) -> list[int]:
+def _timeline(steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict, nbytes: list[int],
+              workspace: list[int]) -> list[int]:
     """Live bytes at each step (lifetimes summed by a difference array) plus the step's
     workspace; an empty program still holds its inputs."""
     delta = [0] * (len(steps) + 2)
     for lt in lifetimes:
         if lt.end >= lt.start:
-            delta[lt.start] += problem.tensors[lt.tensor].bytes
-            delta[lt.end + 1] -= problem.tensors[lt.tensor].bytes
+            delta[lt.start] += nbytes[lt.tensor]
+            delta[lt.end + 1] -= nbytes[lt.tensor]
     timeline, live = [], 0
-    for k, (o, _rc) in enumerate(steps):
+    for k in range(len(steps)):
         live += delta[k]
-        timeline.append(live + problem.ops[o].workspace_bytes)
+        timeline.append(live + workspace[k])
     if not timeline:
-        timeline = [sum(problem.tensors[t].bytes for (t, _), _v in span.items())]
+        timeline = [sum(nbytes[t] for (t, _), _v in span.items())]
     return timeline
 
 
-def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int) -> int:
+def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int, nbytes: list[int]) -> int:
     """Live bytes while the caller computes its loss between our forward and backward: what crosses
     from forward to backward (inputs, saved and held values), the tangents it is making, and its own
     intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of."""
@@ -235,7 +246,7 @@ def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_s
     if not caller or n_steps <= n_fw:
         return 0
     live = sum(
-        problem.tensors[lt.tensor].bytes
+        nbytes[lt.tensor]
         for lt in lifetimes
         if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind is TensorKind.TANGENT)
     )
@@ -252,19 +263,21 @@ def _offload_fields(rep) -> dict:
     }
 
 
-def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, span: dict) -> dict[int, int]:
+def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, span: dict,
+                 fused: set[int] = frozenset()) -> dict[int, int]:
     """Let an op write its output into an input that dies at that very step.
 
     The input's storage then ends one step earlier and the output takes it over, so
     the step allocates nothing new. Only activations qualify: inputs, tangents and
-    the step's outputs are held by someone else.
+    the step's outputs are held by someone else. Steps of formed fusion groups (`fused`) do not:
+    their kernel writes no input.
     """
     reused: dict[int, int] = {}
     recomputed_before: set[int] = set()
     for k, (o, is_rc) in enumerate(steps):
         op = problem.ops[o]
         dying = []
-        for _out, inp in op.reuse:
+        for _out, inp in () if k in fused else op.reuse:
             t = problem.tensors[inp]
             key = (inp, k >= n_fw and t.producer in recomputed_before)
             s, e = span[key]

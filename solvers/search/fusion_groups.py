@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from ..model.problem import Op, Phase, Problem
+from ..model.fusion_sim import internal_tensors
+from ..model.problem import Op, Phase, Problem, Schedule, ScheduleError, convexity_violation
 
 
 @dataclass
@@ -26,14 +27,6 @@ class Fused:
     problem: Problem
     members: list[list[int]]  # fused op id -> original op ids, in program order
     internal: set[int]  # tensors no longer materialized
-
-
-def internal_tensors(problem: Problem, group: list[int]) -> set[int]:
-    """Tensors the group makes and only the group reads (and the step does not return)."""
-    inside = set(group)
-    made = {t for o in group for t in problem.ops[o].outputs}
-    readers = problem.consumers()
-    return {t for t in made if t not in problem.visible and readers[t] and all(r in inside for r in readers[t])}
 
 
 def check_group(problem: Problem, group: list[int]) -> None:
@@ -44,26 +37,16 @@ def check_group(problem: Problem, group: list[int]) -> None:
         raise ValueError(f"fusion group {group} is not in program order")
     if len({problem.ops[o].phase for o in group}) != 1:
         raise ValueError(f"fusion group {[problem.ops[o].name for o in group]} mixes forward and backward ops")
-    inside = set(group)
-    readers = problem.consumers()
     # ops reachable from the group through an outside op must not include a member
-    frontier = [r for o in group for t in problem.ops[o].outputs for r in readers[t] if r not in inside]
-    seen: set[int] = set()
-    while frontier:
-        o = frontier.pop()
-        if o in seen or o > group[-1]:
-            continue
-        seen.add(o)
-        for t in problem.ops[o].outputs:
-            for r in readers[t]:
-                if r in inside:
-                    raise ValueError(f"fusion group {[problem.ops[g].name for g in group]} is not convex")
-                frontier.append(r)
+    if convexity_violation(problem, group) is not None:
+        raise ValueError(f"fusion group {[problem.ops[g].name for g in group]} is not convex")
 
 
-def fuse_ops(problem: Problem, groups: list[list[int]], times: list[float]) -> Fused:
-    """`problem` with each group (disjoint lists of op ids) merged into one op taking `times[i]`."""
-    if len(groups) != len(times):
+def fuse_ops(problem: Problem, groups: list[list[int]], times: list[float], workspaces: list[int] | None = None,
+             ) -> Fused:
+    """`problem` with each group (disjoint lists of op ids) merged into one op taking `times[i]` (and
+    `workspaces[i]` bytes of scratch space; default 0). Fusion options are dropped (their ids change)."""
+    if len(groups) != len(times) or (workspaces is not None and len(workspaces) != len(groups)):
         raise ValueError("one time per fusion group")
     group_of: dict[int, int] = {}
     for i, g in enumerate(groups):
@@ -101,10 +84,39 @@ def fuse_ops(problem: Problem, groups: list[list[int]], times: list[float]) -> F
             outputs=tuple(made),
             time_s=times[group_of[unit[0]]],
             recomputable=all(m.recomputable for m in members),
+            workspace_bytes=0 if workspaces is None else workspaces[group_of[unit[0]]],
         ))
     fused = Problem(ops, tensors, problem.outputs, returned=problem.returned, name=problem.name,
                     host_bw=problem.host_bw, host_budget_bytes=problem.host_budget_bytes)
     return Fused(fused, units, internal)
+
+
+def merge_formed(problem: Problem, schedule: Schedule) -> tuple[Fused, Schedule]:
+    """The schedule's formed fusion options merged into ops (`fuse_ops`) and the schedule on that problem:
+    each run of a group's members becomes the group's op, offload positions follow. The simulator gives
+    both the same peak and time (the formed-group semantics); ScheduleError when a group is not formed
+    as one run."""
+    opts = [problem.fusion_options[i] for i in schedule.formed]
+    fused = fuse_ops(problem, [list(o.members) for o in opts], [o.time_s for o in opts],
+                     [o.workspace_bytes for o in opts])
+    new_id = {o: k for k, unit in enumerate(fused.members) for o in unit}
+    grouped = {o for opt in opts for o in opt.members}
+
+    def mapped(order: list[int]) -> tuple[list[int], list[int]]:
+        out: list[int] = []
+        where = []
+        for o in order:
+            if not (o in grouped and out and out[-1] == new_id[o]):
+                out.append(new_id[o])
+            where.append(len(out) - 1)
+        if len(set(out)) != len(out):
+            raise ScheduleError("a formed fusion group's members do not run consecutively")
+        return out, where
+
+    fw, _ = mapped(schedule.fw_order)
+    bw, where = mapped(schedule.bw_order)
+    offload = {t: where[j] if 0 <= j < len(where) else j for t, j in schedule.offload.items()}
+    return fused, Schedule(fw, bw, offload)
 
 
 def _units_in_order(problem: Problem, groups: list[list[int]], group_of: dict[int, int]) -> list[list[int]]:

@@ -1,0 +1,159 @@
+"""Fusion options decided on a plan: form a group where the simulator says the plan gets better.
+
+The segment model decides the backward options of its segment together with order and
+save/recompute/offload (cpsat/segment.py). What it does not reach (forward options: the forward's
+order is not its to change; forward-only programs; segments the search never replans) is decided
+here, one option at a time, on the solved plan: the members are moved together (to the last
+member's place, ops between that depend on them after it; or to the first member's place, ops
+they depend on before it; a recomputed forward group likewise in the backward) and the option is
+formed when the simulator says the plan is better: within a budget, faster (or as fast and lower);
+with none, faster with no higher peak (fusing independent ops makes their outputs live together,
+the way memory-blind fusion inflates peaks). Each try costs one simulation, not a solve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..model.problem import Phase, Problem, Schedule, ScheduleError
+from ..model.simulator import SimResult, simulate
+
+MIB = 2**20
+
+
+@dataclass
+class FusionDecision:
+    schedule: Schedule
+    sim: SimResult
+    notes: list[str] = field(default_factory=list)  # per option: formed, or why not
+    saved_s: float = 0.0  # time the groups formed here save
+
+
+def accepts(new: SimResult, old: SimResult, budget: int | None) -> bool:
+    """Whether forming a group that turns `old` into `new` is kept (see the module docstring)."""
+    t_new, t_old = round(new.time_s, 12), round(old.time_s, 12)
+    if budget is None:
+        return t_new < t_old and new.peak_bytes <= old.peak_bytes
+    if new.peak_bytes > budget:
+        return False
+    return old.peak_bytes > budget or (t_new, new.peak_bytes) < (t_old, old.peak_bytes)
+
+
+def together(problem: Problem, order: list[int], members: set[int], at_last: bool = True,
+             formed_of: dict[int, int] | None = None) -> tuple[list[int], int, int] | None:
+    """`order` with `members` consecutive: at the last member's place, the ops between that read what
+    members make (or what such ops make) moved after them; or (`at_last=False`) at the first
+    member's place, the ops between that members read from moved before. Runs of formed groups
+    (`formed_of`: op -> option) move as one. Also the window [a, b] that changed. None when a member
+    is missing."""
+    pos = [k for k, o in enumerate(order) if o in members]
+    if len(pos) != len(members):
+        return None
+    a, b = pos[0], pos[-1]
+    formed_of = formed_of or {}
+    units: list[list[int]] = []  # the window's ops, formed runs as one unit
+    for o in order[a:b + 1]:
+        i = formed_of.get(o)
+        if i is not None and units and formed_of.get(units[-1][0]) == i:
+            units[-1].append(o)
+        else:
+            units.append([o])
+    group = [o for o in order[a:b + 1] if o in members]
+    rest = [u for u in units if u[0] not in members]
+    before: list[list[int]] = []
+    after: list[list[int]] = []
+    if at_last:
+        made = {t for o in group for t in problem.ops[o].outputs}
+        for u in rest:
+            if any(t in made for o in u for t in problem.ops[o].inputs):
+                after.append(u)
+                made.update(t for o in u for t in problem.ops[o].outputs)
+            else:
+                before.append(u)
+    else:
+        needed = {t for o in group for t in problem.ops[o].inputs}
+        for u in reversed(rest):
+            if any(t in needed for o in u for t in problem.ops[o].outputs):
+                before.insert(0, u)
+                needed.update(t for o in u for t in problem.ops[o].inputs)
+            else:
+                after.insert(0, u)
+    middle = [o for u in before for o in u] + group + [o for u in after for o in u]
+    return order[:a] + middle + order[b + 1:], a, b
+
+
+def with_option(problem: Problem, schedule: Schedule, i: int, at_last: bool = True) -> Schedule | None:
+    """`schedule` with option `i` formed, its members moved together (see `together`); None when a
+    forward group is recomputed in part (or a member is missing)."""
+    members = set(problem.fusion_options[i].members)
+    fw_group = problem.ops[min(members)].phase is Phase.FW
+    fw, bw, offload = list(schedule.fw_order), list(schedule.bw_order), dict(schedule.offload)
+    formed_of = {o: j for j in schedule.formed for o in problem.fusion_options[j].members}
+    if fw_group:
+        moved = together(problem, fw, members, at_last, formed_of)
+        if moved is None:
+            return None
+        fw = moved[0]
+    in_bw = members & set(bw)
+    if in_bw:
+        if in_bw != members:
+            return None
+        moved = together(problem, bw, members, at_last, formed_of)
+        if moved is None:
+            return None
+        bw, a, b = moved
+        offload = {t: a if a <= j <= b else j for t, j in offload.items()}
+    return Schedule(fw, bw, offload, (*schedule.formed, i))
+
+
+def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: SimResult | None = None,
+                 ) -> FusionDecision:
+    """Each option not formed in `schedule` tried on it (both placements), kept when `accepts` says so."""
+    sim = simulate(problem, schedule) if sim is None else sim
+    out = FusionDecision(schedule, sim)
+    for i, opt in enumerate(problem.fusion_options):
+        label = f"fusion option {problem.option_name(i)} ({len(opt.members)} ops)"
+        if i in out.schedule.formed:
+            out.notes.append(f"{label}: formed by the solver")
+            continue
+        best: tuple[Schedule, SimResult] | None = None
+        tried: list[SimResult] = []
+        for at_last in (True, False):
+            cand = with_option(problem, out.schedule, i, at_last)
+            if cand is None:
+                continue
+            try:
+                csim = simulate(problem, cand)
+            except ScheduleError:
+                continue
+            tried.append(csim)
+            if accepts(csim, out.sim, budget) and (best is None or accepts(csim, best[1], budget)):
+                best = (cand, csim)
+        if best is not None:
+            out.saved_s += out.sim.time_s - best[1].time_s
+            out.notes.append(f"{label}: formed, peak {best[1].peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
+                             f"time {best[1].time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}")
+            out.schedule, out.sim = best
+        elif not tried:
+            out.notes.append(f"{label}: not formed, its members cannot run together in this plan (recomputed in part)")
+        else:
+            low = min(tried, key=lambda s: (s.peak_bytes, s.time_s))
+            why = "over the budget" if budget is not None and low.peak_bytes > budget else (
+                "no faster" if low.time_s >= out.sim.time_s else "higher peak")
+            out.notes.append(f"{label}: not formed ({why}), peak {low.peak_bytes / MIB:.2f} MiB vs "
+                             f"{out.sim.peak_bytes / MIB:.2f}, time {low.time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}")
+    return out
+
+
+def decided_stats(stats, decision: FusionDecision):
+    """The solve's stats after `form_options`: the plan's time, the time bound less what the groups formed
+    here save (the bound was for plans without them), and their notes."""
+    if not decision.saved_s:
+        return dataclasses.replace(stats, notes=stats.notes + decision.notes)
+    objective = decision.sim.time_s
+    bound = max(0.0, min(stats.bound_s - decision.saved_s, objective))
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    status = "FEASIBLE" if stats.status == "OPTIMAL" and gap > 1e-9 else stats.status
+    return dataclasses.replace(stats, objective_s=objective, bound_s=bound, gap=gap, status=status,
+                               notes=stats.notes + decision.notes)

@@ -5,9 +5,15 @@
       └─> Problem (costs.problem_builder, op times measured or roofline)
           ─> the executor's fusion groups merged into ops (solvers.search.fusion_groups; compiled and
              timed by executors.groups)
-          ─> solved within the user's own checkpointing (user_checkpoint, solvers.solve)
-          ─> horizontal groups tried one by one, kept only when faster and no higher
+          ─> horizontal candidates offered as fusion options (compiled and timed alike), solved once within
+             the user's own checkpointing (user_checkpoint, solvers.search.fusion_options.solve_with_options)
+          ─> the formed ones merged too, for lowering (the merged plan simulates to the solve's peak and time)
           ─> Plan: budget resolution recorded, plan file saved when asked (plans.cache), reported
+
+Vertical groups are merged before solving, not offered: they save launches and memory (their
+intermediates are never materialized), a win in nearly every plan, and merging them shrinks the
+problem every solver sees. Horizontal groups trade memory for time (their members' outputs live
+together), which only the solver, knowing the budget and the order, can judge: they are options.
 
 The compile hooks (`capture.backend.PlanningBackend`, `capture.offline.OfflineBackend`) make one
 `Planner` per compiled program, for its `Target` (device, timing, profile, offloads, executor), and
@@ -41,8 +47,10 @@ from .plans.plan import Plan
 from .plans.reuse import plan_from_file
 from .progress import LiveLine
 from .settings import PlanningSettings
-from .solvers import BudgetInfeasibleError, Problem, default_schedule, simulate, solve
-from .solvers.search.fusion_groups import find_groups, fuse_ops
+from .solvers import BudgetInfeasibleError, Problem, Schedule, default_schedule, simulate
+from .solvers.model.problem import FusionOption, convexity_violation
+from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
+from .solvers.search.fusion_options import solve_with_options
 from .user_checkpoint import solve_within_user_checkpointing
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
@@ -304,32 +312,70 @@ class Planner:
 
     def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int, budget_bytes: int | None = None,
                     ) -> tuple[Plan, list]:
-        """Plan with the executor's vertical groups; then try each horizontal group, kept only if the
-        plan with it is faster and its peak no higher (fusing independent ops makes their outputs
-        live together, which is how memory-blind fusion inflates peaks)."""
+        """Plan with the executor's vertical groups merged into ops and its horizontal candidates offered
+        as fusion options, decided in one solve (`solve_with_options`: formed where the simulator says
+        the plan gets better; fusing independent ops makes their outputs live together, which is how
+        memory-blind fusion inflates peaks). The formed ones are merged too, for lowering."""
         fusible = [self.target.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
         groups = find_groups(built.problem, fusible)
         compiled: dict = {}
         problem, items = self.fuse(jg, built, groups, compiled)
-        plan = self._solve(problem, graph_nodes, items, budget_bytes)
         taken = {o for c in groups for o in c}
-        for cand in horizontal_candidates(built.problem, built.nodes, fusible, taken):
-            trial_problem, trial_items = self.fuse(jg, built, groups + [cand], compiled)
+        cands = horizontal_candidates(built.problem, built.nodes, fusible, taken)
+        offered, options, notes = self._fusion_options(jg, built, problem, items, cands, compiled)
+        plan = self._solve(offered, graph_nodes, items, budget_bytes)
+        plan.stats.notes += notes
+        if not options:
+            return plan, items
+        formed = [options[i] for i in plan.schedule.formed]
+        return self._merge_formed(jg, built, groups + formed, plan, items, compiled)
+
+    def _fusion_options(
+        self, jg: JointGraph, built: Built, problem: Problem, items: list, cands: list[list[int]], compiled: dict,
+    ) -> tuple[Problem, list[list[int]], list[str]]:
+        """`problem` offering each horizontal candidate (op ids of `built.problem`) as a fusion option, its
+        kernel compiled and timed like a group's; the candidates offered, in option order; notes on those
+        that cannot be offered."""
+        t = self.target
+        op_of = _op_ids(built, items)
+        options, offered, notes = [], [], []
+        for cand in cands:
             label = f"horizontal group of {len(cand)} {built.nodes[cand[0]].target}"
-            try:
-                trial = self._solve(trial_problem, graph_nodes, trial_items, plan.budget_bytes)
-            except BudgetInfeasibleError:
-                plan.stats.notes.append(f"{label}: rejected, no plan fits the budget with it")
+            members = sorted(op_of[o] for o in cand)
+            if convexity_violation(problem, members) is not None:
+                notes.append(f"{label}: rejected, not convex once the vertical groups are merged")
                 continue
-            mib = 2**20
-            if trial.sim.time_s < plan.sim.time_s and trial.sim.peak_bytes <= plan.sim.peak_bytes:
-                trial.stats.notes += plan.stats.notes + [f"{label}: kept"]
-                plan, items, groups = trial, trial_items, groups + [cand]
-            else:
-                plan.stats.notes.append(
-                    f"{label}: rejected, peak {trial.sim.peak_bytes / mib:.2f} MiB vs {plan.sim.peak_bytes / mib:.2f}, "
-                    f"time {trial.sim.time_s * 1e3:.3f} ms vs {plan.sim.time_s * 1e3:.3f}"
-                )
+            group = build_group(jg, built.problem, cand, built.nodes)
+            compile_groups([group], t.executor, t.device, t.measure, compiled)
+            time_s = group.time_s if t.measure else roofline_time(group, t.profile)
+            options.append(FusionOption(tuple(members), time_s, group.workspace_bytes, label))
+            offered.append(cand)
+        return dataclasses.replace(problem, fusion_options=tuple(options)), offered, notes
+
+    def _merge_formed(self, jg: JointGraph, built: Built, groups: list[list[int]], plan: Plan, solved_items: list,
+                      compiled: dict) -> tuple[Plan, list]:
+        """The plan on the problem with its formed groups merged too (what is lowered and what plan files
+        replay): the schedule mapped onto it, its simulated peak and time the solve's. `solved_items`: per
+        op of the solved problem, its node or group."""
+        problem, items = self.fuse(jg, built, groups, compiled)
+        merged, schedule = merge_formed(plan.problem, plan.schedule)
+        # merge_formed's ops are this problem's ops, maybe in another order: match them by their first node
+        node_id = {n: i for i, n in enumerate(built.nodes)}
+        final = {node_id[_first_node(it)]: k for k, it in enumerate(items)}
+        to_final = [final[min(node_id[_first_node(solved_items[o])] for o in unit)] for unit in merged.members]
+        schedule = Schedule([to_final[o] for o in schedule.fw_order], [to_final[o] for o in schedule.bw_order],
+                            dict(schedule.offload))
+        sim = simulate(problem, schedule)
+        if sim.peak_bytes != plan.sim.peak_bytes or round(sim.time_s, 12) != round(plan.sim.time_s, 12):
+            raise RuntimeError(
+                f"internal error: the plan with its fusion groups merged simulates to {sim.peak_bytes} bytes and "
+                f"{sim.time_s:.9f} s, the solve's to {plan.sim.peak_bytes} bytes and {plan.sim.time_s:.9f} s"
+            )
+        baseline = simulate(problem, default_schedule(problem))
+        plan = dataclasses.replace(
+            plan, problem=problem, schedule=schedule, sim=sim, baseline=baseline,
+            fusion_groups=[[n.name for n in it.nodes] for it in items if isinstance(it, Group)],
+        )
         return plan, items
 
     def _solve(self, problem: Problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
@@ -344,7 +390,7 @@ class Planner:
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
-                problem, items, budget_bytes, lambda b: solve(problem, b, time_limit_s=limit, progress=progress,
+                problem, items, budget_bytes, lambda b: solve_with_options(problem, b, time_limit_s=limit, progress=progress,
                                   deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
@@ -380,6 +426,21 @@ class Planner:
         plan.budget_from = self.resolution.source(peak, fp["hash"])
         if plan.kind == "training":
             self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _op_ids(built: Built, items: list) -> dict[int, int]:
+    """Op id in `built.problem` -> id of the op (itself, or its group's) in the problem `items` describes."""
+    node_id = {n: i for i, n in enumerate(built.nodes)}
+    out = {}
+    for k, it in enumerate(items):
+        for n in it.nodes if isinstance(it, Group) else [it]:
+            out[node_id[n]] = k
+    return out
+
+
+def _first_node(item: Group | fx.Node) -> fx.Node:
+    """An op's node, or its group's first (groups' nodes are in program order)."""
+    return item.nodes[0] if isinstance(item, Group) else item
 
 
 def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..model.problem import Phase, Problem, Schedule, ScheduleError
+from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats
 from ..model.simulator import SimResult, simulate
+from .strategy import Solution, solve
 
 MIB = 2**20
 
@@ -113,9 +114,9 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
     sim = simulate(problem, schedule) if sim is None else sim
     out = FusionDecision(schedule, sim)
     for i, opt in enumerate(problem.fusion_options):
-        label = f"fusion option {problem.option_name(i)} ({len(opt.members)} ops)"
+        label = opt.name or f"fusion option {problem.option_name(i)} ({len(opt.members)} ops)"
         if i in out.schedule.formed:
-            out.notes.append(f"{label}: formed by the solver")
+            out.notes.append(f"{label}: kept (formed by the solver)")
             continue
         best: tuple[Schedule, SimResult] | None = None
         tried: list[SimResult] = []
@@ -132,21 +133,22 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
                 best = (cand, csim)
         if best is not None:
             out.saved_s += out.sim.time_s - best[1].time_s
-            out.notes.append(f"{label}: formed, peak {best[1].peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
+            out.notes.append(f"{label}: kept, peak {best[1].peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
                              f"time {best[1].time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}")
             out.schedule, out.sim = best
         elif not tried:
-            out.notes.append(f"{label}: not formed, its members cannot run together in this plan (recomputed in part)")
+            out.notes.append(f"{label}: rejected, its members cannot run together in this plan (recomputed in part, "
+                             "or across another group)")
         else:
             low = min(tried, key=lambda s: (s.peak_bytes, s.time_s))
             why = "over the budget" if budget is not None and low.peak_bytes > budget else (
-                "no faster" if low.time_s >= out.sim.time_s else "higher peak")
-            out.notes.append(f"{label}: not formed ({why}), peak {low.peak_bytes / MIB:.2f} MiB vs "
-                             f"{out.sim.peak_bytes / MIB:.2f}, time {low.time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}")
+                "no faster" if round(low.time_s, 12) >= round(out.sim.time_s, 12) else "higher peak")
+            out.notes.append(f"{label}: rejected, peak {low.peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
+                             f"time {low.time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f} ({why})")
     return out
 
 
-def decided_stats(stats, decision: FusionDecision):
+def decided_stats(stats: SolveStats, decision: FusionDecision) -> SolveStats:
     """The solve's stats after `form_options`: the plan's time, the time bound less what the groups formed
     here save (the bound was for plans without them), and their notes."""
     if not decision.saved_s:
@@ -157,3 +159,15 @@ def decided_stats(stats, decision: FusionDecision):
     status = "FEASIBLE" if stats.status == "OPTIMAL" and gap > 1e-9 else stats.status
     return dataclasses.replace(stats, objective_s=objective, bound_s=bound, gap=gap, status=status,
                                notes=stats.notes + decision.notes)
+
+
+def solve_with_options(problem: Problem, budget_bytes: int | None, **kwargs) -> Solution:
+    """`solve`, then the fusion options the solve left unformed decided on its plan (`form_options`).
+    The same as `solve` for a problem without options."""
+    sol = solve(problem, budget_bytes, **kwargs)
+    if not problem.fusion_options:
+        return sol
+    decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
+    return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim,
+                               stats=decided_stats(sol.stats, decision),
+                               lower_bound_bytes=min(sol.lower_bound_bytes, decision.sim.peak_bytes))

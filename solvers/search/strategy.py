@@ -30,6 +30,7 @@ from ..model import clock
 from ..progress import Display, ProgressLine
 from .blocks import find_groups
 from .segments import improve_by_segments
+from .chain import MIN_BLOCKS, improve_by_chain
 from .reorder import base_orders, refine_order
 from ..model.simulator import ScheduleError, SimResult, simulate
 
@@ -41,6 +42,8 @@ OFFLOAD_SHARE = 0.2  # of the time limit, within SEARCH_SHARE, for mixing in off
 WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; the segment search has the rest
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
 EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
+CHAIN_SHARE = 0.15  # of the time limit, within SEARCH_SHARE, for per-block options combined along the chain
+CHAIN = True  # combine per-block options along the chain (search/chain.py) after the segment search
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
 LOWEST_REPORTED_SIZE = 32  # problems whose lowest-peak plan an error reported are remembered (this process)
 _LOWEST_REPORTED: OrderedDict[str, Schedule] = OrderedDict()
@@ -178,8 +181,19 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 best, stats, lowest = _with_offloads(problem, budget_bytes, best, stats, lowest, ladder_end)
             if budget_bytes is not None:
                 line.note("planning block by block")
-                best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
-                                                             t0 + SEARCH_SHARE * time_limit_s, workers, offload=offload)
+                search_end = t0 + SEARCH_SHARE * time_limit_s
+                chain = CHAIN and len(find_groups(problem).blocks) >= MIN_BLOCKS
+                best, stats, lowest, cut_late = _by_segments(
+                    problem, budget_bytes, best, stats, lowest, search_end - (CHAIN_SHARE * time_limit_s if chain else 0.0),
+                    workers, offload=offload)
+                if chain:
+                    line.note("combining block options along the chain")
+                    before = best
+                    best, stats, lowest = _by_chain(problem, budget_bytes, best, stats, lowest, search_end, workers,
+                                                    offload)
+                    if best is before and cut_late:  # nothing better along the chain: the segment search goes on
+                        best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
+                                                                     search_end, workers, offload=offload)
                 cut = cut or cut_late
             if best is None and budget_bytes is not None:
                 best, stats, lowest = _reported_lowest(problem, budget_bytes, best, stats, lowest)
@@ -234,6 +248,23 @@ def _by_segments(
                                      workers=workers, offload=offload)
     method = "segment search (order, save/recompute and offload per block)" if offload else None
     return (*_merge(problem, budget, best, stats, lowest, found, method), cut)
+
+
+def _by_chain(
+    problem: Problem, budget: int, best: Schedule | None, stats: SolveStats, lowest: Schedule, deadline: float,
+    workers: int, offload: bool,
+) -> tuple[Schedule | None, SolveStats, Schedule]:
+    """Per-block options combined along the chain (search/chain.py) from the plan found (or the lowest),
+    then the segment search again from its answer if time is left; kept only when the simulator says better."""
+    start = best if best is not None else lowest
+    if deadline - clock.now() < 0.1:
+        return best, stats, lowest
+    found = improve_by_chain(problem, start, budget, deadline=deadline, workers=workers, offload=offload)
+    if found is start:
+        return best, stats, lowest
+    if deadline - clock.now() > 0.1:
+        found, _cut = improve_by_segments(problem, found, budget, deadline=deadline, workers=workers, offload=offload)
+    return _merge(problem, budget, best, stats, lowest, found, "per-block options combined along the chain")
 
 
 def _structure(problem: Problem) -> str:

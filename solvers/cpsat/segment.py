@@ -10,6 +10,10 @@ outputs lies in the segment). Inside, the model decides at once
   the segment, one of a few the model chooses from (`OffloadWindow`): an earlier one
   hides more copying, a later one holds the copies on the device for less of the plan;
 - the order of the segment's steps (data dependencies respected);
+- for each fusion option whose members are all backward steps of the segment: whether it is
+  formed (members consecutive, every copy they read or make live through the whole run, values
+  made and read only inside it not materialized, the kernel's scratch space; the objective gains
+  the time the kernel saves);
 
 and the memory it counts is exact up to rounding and storage reuse (not modelled: the
 simulator may find less): storages made before the segment and read inside live from its
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from .common import cost_ns, make_solver, memory_unit, run_solver
+from ..model.fusion_sim import internal_tensors
 from ..model.problem import Phase, Problem, TensorKind
 from ..model.simulator import SimResult
 
@@ -61,6 +66,7 @@ class SegmentPlan:
     peak_units: int  # the model's peak (for the peak objective) in memory units
     offload: set[int] = field(default_factory=set)  # the free ops whose outputs go to the host and back
     prefetch_step: int | None = None  # where they come back (a global step)
+    fusion: dict[int, bool] = field(default_factory=dict)  # fusion options decided here: formed or not
 
 
 def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[int], offload: bool = False) -> list[int]:
@@ -148,9 +154,48 @@ class _SegmentModel:
         self.off_at: dict[int, list[cp_model.IntVar]] = {}  # free op -> offloaded and back from each prefetch
         n_fw = sim.n_forward_steps
         self.rc_step = {o: k for k, (o, rc) in enumerate(sim.steps) if rc and k >= n_fw}
+        self._fusion_options()
         self._tensors(free_set)
         self._workspace()
         self._offload_limits()
+
+    def _fusion_options(self) -> None:
+        """A formed literal per option whose members are all fixed backward steps here; when formed, the
+        members fill [start, start + len) (positions are distinct, so nothing runs between them)."""
+        m, p = self.m, self.p
+        index = {s: i for i, s in enumerate(self.fixed)}
+        self.f: dict[int, cp_model.IntVar] = {}
+        self.run_end: dict[int, cp_model.LinearExpr] = {}
+        self.run_start: dict[int, cp_model.IntVar] = {}
+        self.option_of: dict[int, int] = {}  # fixed step -> its option
+        self.hidden: dict[int, int] = {}  # tensor made and read only inside an option -> the option
+        readers = p.consumers() if p.fusion_options else {}
+        for j, opt in enumerate(p.fusion_options):
+            steps = [index.get((o, False)) for o in opt.members]
+            if any(i is None for i in steps) or p.ops[opt.members[0]].phase is not Phase.BW:
+                continue
+            f = self.f[j] = m.NewBoolVar(f"formed[{j}]")
+            start = self.run_start[j] = m.NewIntVar(0, self.n - len(steps), f"run{j}")
+            self.run_end[j] = start + len(steps)
+            for i in steps:
+                m.Add(self.pos[i] >= start).OnlyEnforceIf(f)
+                m.Add(self.pos[i] < start + len(steps)).OnlyEnforceIf(f)
+                self.option_of[i] = j
+            for t in internal_tensors(p, opt.members, readers):
+                self.hidden[t] = j
+
+    def _run_ends(self, steps: list[int]) -> list:
+        """Extra ends of a copy that fixed `steps` read or make: the end of each one's formed run."""
+        js = {self.option_of[i] for i in steps if i in self.option_of}
+        return [(self.run_end[j], self.f[j]) for j in sorted(js)]
+
+    def saved_ns(self):
+        """Time the formed options save."""
+        return sum(max(0, cost_ns(self._members_s(j)) - cost_ns(self.p.fusion_options[j].time_s)) * f
+                   for j, f in self.f.items())
+
+    def _members_s(self, j: int) -> float:
+        return sum(self.p.ops[o].time_s for o in self.p.fusion_options[j].members)
 
     def units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
@@ -222,16 +267,23 @@ class _SegmentModel:
                 self.const_units += units
                 continue
             start = self.pos[producer_at[key]] if made else 0
+            j = self.option_of.get(producer_at[key]) if made else None
+            if j is not None:  # made by a member: from the run's start when formed
+                start = m.NewIntVar(0, self.n - 1, f"start_{key}")
+                m.Add(start == self.pos[producer_at[key]]).OnlyEnforceIf(self.f[j].Not())
+                m.Add(start == self.run_start[j]).OnlyEnforceIf(self.f[j])
             if self._pinned(key):  # inputs, tangents, the caller's values: live to a fixed step, whatever the order
                 self._live(f"{key}", start, [], 1, units, closed_end=e - a + 1 if e < b - 1 else self.n)
                 continue
             ends = [(self.pos[i] + 1, None) for i in inside]
             ends += [(self.pos[self.rc_index[f]] + 1, self.r[f]) for f in optional]
+            ends += self._run_ends(inside + ([producer_at[key]] if made else []))
             if made:
                 ends.append((self.pos[producer_at[key]] + 1, None))
             if e >= b:
                 ends.append((self.n, None))
-            self._live(f"{key}", start, ends, 1, units)
+            hidden = self.hidden.get(key[0]) if not key[1] else None
+            self._live(f"{key}", start, ends, 1 if hidden is None else self.f[hidden].Not(), units)
         # free ops: saved (from the segment's start) or recomputed (from their step), to their last reader
         for f in self.free:
             rf, i_rc = self.r[f], self.rc_index[f]
@@ -261,7 +313,7 @@ class _SegmentModel:
                 self.off[f], self.saved_lit[f], self.off_at[f] = off, saved, at
             for t in p.ops[f].outputs:
                 units = self.units(p.tensors[t].bytes)
-                ends = [(self.pos[i] + 1, None) for i in fixed_readers]
+                ends = [(self.pos[i] + 1, None) for i in fixed_readers] + self._run_ends(fixed_readers)
                 ends += [(self.pos[self.rc_index[g]] + 1, self.r[g]) for g in free_rd]
                 self._live(f"s{t}", 0, ends, kept, units)
                 self._live(f"r{t}", self.pos[i_rc], ends + [(self.pos[i_rc] + 1, None)], rf, units)
@@ -292,8 +344,16 @@ class _SegmentModel:
     def _workspace(self) -> None:
         for i, (o, _rc) in enumerate(self.fixed):
             w = self.p.ops[o].workspace_bytes
+            j = self.option_of.get(i)
+            if j is None:
+                if w:
+                    self._live(f"ws{i}", self.pos[i], [(self.pos[i] + 1, None)], 1, self.units(w))
+                continue
+            kernel = self.p.fusion_options[j].workspace_bytes  # a formed run's steps all hold the kernel's
             if w:
-                self._live(f"ws{i}", self.pos[i], [(self.pos[i] + 1, None)], 1, self.units(w))
+                self._live(f"ws{i}", self.pos[i], [(self.pos[i] + 1, None)], self.f[j].Not(), self.units(w))
+            if kernel:
+                self._live(f"wsk{i}", self.pos[i], [(self.pos[i] + 1, None)], self.f[j], self.units(kernel))
         for f in self.free:
             w = self.p.ops[f].workspace_bytes
             if w:
@@ -349,11 +409,13 @@ class _SegmentModel:
             self.m.AddHint(self.pos[self.rc_index[f]], rc_now.get(f, 0))
         for f, x in self.off.items():
             self.m.AddHint(x, f not in rc_now and any(t in self.sim.offloads for t in self.p.ops[f].outputs))
+        for j, f in self.f.items():
+            self.m.AddHint(f, j in self.sim.formed)
 
     def time_ns(self):
-        """Recomputation, plus OFFLOAD_PENALTY of every offload's copy time."""
+        """Recomputation, plus OFFLOAD_PENALTY of every offload's copy time, less what formed options save."""
         return sum(cost_ns(self.p.ops[f].time_s) * self.r[f] for f in self.free) + sum(
-            max(1, int(OFFLOAD_PENALTY * self._copy_ns(f))) * x for f, x in self.off.items())
+            max(1, int(OFFLOAD_PENALTY * self._copy_ns(f))) * x for f, x in self.off.items()) - self.saved_ns()
 
     def extract(self, solver: cp_model.CpSolver, status: str, peak_units: int) -> SegmentPlan:
         chosen = {f for f in self.free if solver.Value(self.r[f])}
@@ -362,7 +424,8 @@ class _SegmentModel:
         steps = [self.fixed[i] if i < len(self.fixed) else (self.free[i - len(self.fixed)], True) for i in present]
         offload = {f for f, x in self.off.items() if solver.Value(x)}
         back = [k for (k, _s), w in zip(self.window.prefetches, self.window_lit) if solver.Value(w)] if offload else []
-        return SegmentPlan(steps, chosen, status, peak_units, offload, back[0] if back else None)
+        fusion = {j: bool(solver.Value(f)) for j, f in self.f.items()}
+        return SegmentPlan(steps, chosen, status, peak_units, offload, back[0] if back else None, fusion)
 
 
 def replan_segment(
@@ -421,6 +484,8 @@ def replan_segment(
         m.AddHint(model.r[f], f in first.recompute)
     for f, x in model.off.items():
         m.AddHint(x, f in first.offload)
+    for j, f in model.f.items():
+        m.AddHint(f, first.fusion[j])
     m.Add(peak <= best_peak)
     m.Minimize(model.time_ns())
     solver = make_solver(0.4 * time_limit_s, workers)

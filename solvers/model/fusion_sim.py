@@ -61,7 +61,7 @@ def formed_runs(problem: Problem, schedule: Schedule, steps: list[tuple[int, boo
 
 def merge_runs(problem: Problem, runs: list[Run], steps: list[tuple[int, bool]], span: dict, reads: list,
                ) -> tuple[float, float]:
-    """Spans of every copy a run reads extended to its end, of every copy it makes started at its start;
+    """Spans of every copy a run reads or makes extended to its end, of every copy it makes started at its start;
     returns the time the runs save (members' times minus the kernel's), and the part in recomputations."""
     total = recomputed = 0.0
     for run in runs:
@@ -72,6 +72,7 @@ def merge_runs(problem: Problem, runs: list[Run], steps: list[tuple[int, bool]],
             o, rc = steps[k]
             for t in problem.ops[o].outputs:
                 span[(t, rc)][0] = run.start
+                span[(t, rc)][1] = max(span[(t, rc)][1], run.end)
             saved += problem.ops[o].time_s
         saved -= problem.fusion_options[run.option].time_s
         total += saved

@@ -49,6 +49,7 @@ class SimResult:
     exposed_transfer_s: float = 0.0  # the part compute waited for (included in time_s)
     host_bytes: int = 0  # host memory taken by offloaded copies
     boundary_bytes: int = 0  # live while the caller computes its loss between forward and backward (0: no such loss)
+    formed: tuple[int, ...] = ()  # the schedule's formed fusion options
 
 
 def _check_orders(problem: Problem, schedule: Schedule) -> None:
@@ -112,6 +113,7 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
         reads=walk.reads,
         spans={key: (v[0], v[1]) for key, v in span.items()},
         recompute_s=walk.recompute_s,
+        formed=schedule.formed,
         **(_offload_fields(offload) if offload is not None else {}),
     )
 

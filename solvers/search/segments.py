@@ -45,10 +45,13 @@ def better(a: SimResult, b: SimResult, budget: int | None) -> bool:
 def splice(
     problem: Problem, sim: SimResult, a: int, b: int, new: list[tuple[int, bool]],
     redecided: set[int] = frozenset(), offloaded: dict[int, int] | None = None,
+    *, fusion: dict[int, bool] | None = None,
 ) -> Schedule:
     """The plan of `sim` with steps [a, b) replaced by `new`. Its offloads stay (a prefetch inside the
     segment moves to its start, later ones shift), but for the tensors in `redecided`: those are
-    offloaded as `offloaded` says (tensor -> global prefetch step, at or before `a`), or not at all."""
+    offloaded as `offloaded` says (tensor -> global prefetch step, at or before `a`), or not at all.
+    Its formed fusion options stay while their members still run consecutively, but for those in
+    `fusion` (option -> formed), decided anew."""
     n_fw = sim.n_forward_steps
     steps = sim.steps[n_fw:a] + new + sim.steps[b:]
     offload: dict[int, int] = {}
@@ -58,7 +61,20 @@ def splice(
         k = ev.prefetch
         offload[t] = (k if k < a else a if k < b else k + len(new) - (b - a)) - n_fw
     offload.update((t, k - n_fw) for t, k in (offloaded or {}).items())
-    return Schedule([o for o, _ in sim.steps[:n_fw]], [o for o, _ in steps], offload)
+    fw, bw = [o for o, _ in sim.steps[:n_fw]], [o for o, _ in steps]
+    fusion = fusion or {}
+    formed = [j for j in sim.formed if j not in fusion] + [j for j, f in fusion.items() if f]
+    return Schedule(fw, bw, offload, tuple(j for j in formed if j in fusion or still_consecutive(problem, j, fw, bw)))
+
+
+def still_consecutive(problem: Problem, j: int, fw: list[int], bw: list[int]) -> bool:
+    """Whether fusion option `j`'s members run consecutively in `fw` and, where they run there, in `bw`."""
+    members = set(problem.fusion_options[j].members)
+    for order in (fw, bw):
+        at = [k for k, o in enumerate(order) if o in members]
+        if at and (len(at) != len(members) or at[-1] - at[0] + 1 != len(at)):
+            return False
+    return True
 
 
 def offload_window(problem: Problem, sim: SimResult, a: int, free: list[int]) -> OffloadWindow | None:
@@ -125,7 +141,7 @@ def improve_by_segments(
                 continue
             outs = {t for f in free for t in problem.ops[f].outputs}
             back = {t: res.prefetch_step for f in res.offload for t in problem.ops[f].outputs} if window else {}
-            cand = splice(problem, bsim, a, b, res.steps, outs if window else set(), back)
+            cand = splice(problem, bsim, a, b, res.steps, outs if window else set(), back, fusion=res.fusion)
             try:
                 csim = simulate(problem, cand)
             except ScheduleError:  # an offload the replay refuses (host budget): not kept
@@ -137,7 +153,7 @@ def improve_by_segments(
                 on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
             if g in groups.block_set:
                 moved = (free, res.offload) if window else None
-                best, bsim = _copy_to_siblings(problem, groups, best, bsim, g, state[0], budget, moved)
+                best, bsim = _copy_to_siblings(problem, groups, best, bsim, g, state[0], budget, moved, res.fusion)
             break
         if not improved:
             return best, False
@@ -167,10 +183,11 @@ def _priority(problem: Problem, sim: SimResult, groups: Groups, segs, budget: in
 
 
 def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, g: int, old_steps, budget,
-                      moved: tuple[list[int], set[int]] | None = None):
+                      moved: tuple[list[int], set[int]] | None = None, fusion: dict[int, bool] | None = None):
     """Apply the change made to block `g`'s segment (whose steps were `old_steps`) to every other
     block's of the same shape, one at a time, each kept when the simulator says it is better.
-    `moved`: (the free ops whose offloading was decided, those offloaded), when offloads were."""
+    `moved`: (the free ops whose offloading was decided, those offloaded), when offloads were;
+    `fusion`: the fusion options decided there (each copied to the option of the same steps)."""
     segs_now = {s[2]: s for s in segments(problem, sim, groups)}
     if g not in segs_now:
         return sched, sim
@@ -187,7 +204,8 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             continue
         fw_map = dict(zip(groups.members[g], groups.members[h]))
         mapped = _translate(solved, old_index, target_old, fw_map)
-        trial = None if mapped is None else replace_run(problem, sim, target_old, mapped, map_offloads(problem, moved, fw_map))
+        trial = None if mapped is None else replace_run(problem, sim, target_old, mapped, map_offloads(problem, moved, fw_map),
+                                                       fusion=map_fusion(problem, fusion, old_index, target_old))
         if trial is None:
             continue
         try:
@@ -232,9 +250,29 @@ def map_offloads(problem: Problem, moved, fw_map: dict) -> tuple[set[int], set[i
     return outs, {t for f in offloaded for t in problem.ops[fw_map[f]].outputs}
 
 
-def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads=None) -> Schedule | None:
+def map_fusion(problem: Problem, fusion: dict[int, bool] | None, old_index: dict, target_old: list,
+               ) -> dict[int, bool] | None:
+    """Fusion decisions of one segment (whose steps index as `old_index`) for the segment `target_old`:
+    each option's decision given to the option made of the same steps there, when there is one."""
+    if not fusion:
+        return None
+    by_members = {frozenset(o.members): j for j, o in enumerate(problem.fusion_options)}
+    out = {}
+    for j, formed in fusion.items():
+        steps = [old_index.get((o, False)) for o in problem.fusion_options[j].members]
+        if None in steps:
+            continue
+        k = by_members.get(frozenset(target_old[i][0] for i in steps))
+        if k is not None:
+            out[k] = formed
+    return out
+
+
+def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads=None, *,
+                fusion: dict[int, bool] | None = None) -> Schedule | None:
     """The plan with the run of steps `old` (found in its backward) replaced by `new`; `offloads`:
-    (tensors whose offloading is redecided, those offloaded: prefetched ahead of the run)."""
+    (tensors whose offloading is redecided, those offloaded: prefetched ahead of the run); `fusion`:
+    fusion options decided anew (see `splice`)."""
     n_fw = sim.n_forward_steps
     steps = sim.steps
     for k in range(n_fw, len(steps) - len(old) + 1):
@@ -243,8 +281,8 @@ def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads
             if len(set(bw)) != len(bw):
                 return None
             if offloads is None:
-                return splice(problem, sim, k, k + len(old), new)
+                return splice(problem, sim, k, k + len(old), new, fusion=fusion)
             redecided, off = offloads
             back = prefetch_step(problem, sim, k, sum(problem.tensors[t].bytes for t in off)) if off else k
-            return splice(problem, sim, k, k + len(old), new, redecided, dict.fromkeys(off, back))
+            return splice(problem, sim, k, k + len(old), new, redecided, dict.fromkeys(off, back), fusion=fusion)
     return None

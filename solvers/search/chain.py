@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..cpsat.chain import BlockOption, ChainSegment, choose_options
+from ..cpsat.common import memory_unit
 from ..cpsat.segment import free_ops, replan_segment
 from ..model import clock
 from ..model.problem import Problem, Schedule, ScheduleError
@@ -156,14 +157,15 @@ def _options(problem: Problem, sim: SimResult, groups: Groups, seg: tuple[int, i
 
 def _capped(problem: Problem, sim: SimResult, a: int, outs: list[int], budget: int, cap: int) -> SimResult:
     """`sim` as the segment model should see it to keep at most `cap` bytes of `outs` to the backward: every
-    step before the segment is far below the budget but the forward's last, which holds `budget - cap`
-    besides what of `outs` is live there now."""
+    step before the segment is far below the budget but the forward's last, which holds the rest of the
+    budget besides what of `outs` is live there now (in the model's memory units, rounding up each output)."""
     last = sim.n_forward_steps - 1
     mine = set(outs)
     live = sum(problem.tensors[lt.tensor].bytes for lt in sim.lifetimes
                if lt.tensor in mine and not lt.recomputed and lt.start <= last <= lt.end)
+    unit = memory_unit(problem)
     timeline = [FAR] * a + sim.timeline[a:]
-    timeline[last] = budget - cap + live
+    timeline[last] = (budget // unit - -(-cap // unit) - len(outs)) * unit + live
     return dataclasses.replace(sim, timeline=timeline, boundary_bytes=0)
 
 

@@ -16,7 +16,8 @@ are read (instead of the forward's copies) by every later backward step; `offloa
 - recomputations have their inputs (the same rule: a recomputation reads what exists at its position);
 - offloads: only offloadable activations made in the forward and read back in the backward (from their
   forward copy) are offloaded, to a problem with host bandwidth and within its host budget; each comes back
-  at or before its first backward read of the forward copy (so no read sees a copy on the host).
+  at or before its first backward read of the forward copy (so no read sees a copy on the host); a prefetch
+  at a position inside a formed group's run is issued before the group.
 
 - formed fusion options (`schedule.formed`): each names an option of the problem, whose members run at
   consecutive positions of their phase's order; a forward group recomputed in the backward is recomputed
@@ -104,7 +105,9 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
     if schedule.offload and problem.host_bw <= 0:
         out.append("offloads in a problem without host bandwidth")
     host = 0
+    run_start = _backward_run_starts(problem, schedule)
     for t, j in schedule.offload.items():
+        j = run_start.get(j, j)  # a prefetch inside a formed group's run is issued before the group
         if not 0 <= t < len(tensors):
             out.append(f"offloaded tensor {t} does not exist")
             continue
@@ -139,6 +142,16 @@ def _formed_violations(problem: Problem, schedule: Schedule) -> list[str]:
                 out.append(f"fusion option {i} is formed but only {len(at)} of its {len(members)} ops run in the {what} order")
             elif at != list(range(at[0], at[0] + len(at))):
                 out.append(f"fusion option {i} is formed but its ops are not consecutive in the {what} order: {at}")
+    return out
+
+
+def _backward_run_starts(problem: Problem, schedule: Schedule) -> dict[int, int]:
+    """Backward position inside a formed group's run -> the run's first position."""
+    out = {}
+    for i in schedule.formed:
+        members = set(problem.fusion_options[i].members)
+        at = [k for k, o in enumerate(schedule.bw_order) if o in members]
+        out.update((k, at[0]) for k in at)
     return out
 
 

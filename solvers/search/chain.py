@@ -29,11 +29,12 @@ from .blocks import Groups, find_groups, op_signature, segments
 from .segments import SEGMENT_S, better, offload_window, replace_run
 
 MIN_BLOCKS = 3  # fewer repeated blocks: copying one answer is as good
-KEPT_NOW = (0.0, 0.5, 0.75, 1.25, 1.5, 2.0)  # caps on a segment's kept bytes: shares of what it keeps now
-KEPT_ALL = (0.5, 1.0)  # and shares of all it could keep
+KEPT_NOW = (0.75, 0.5, 1.25, 0.0, 1.5, 2.0)  # caps on a segment's kept bytes, tried in this order: shares of
+# what it keeps now (a little less or more first), then of all it could keep
+KEPT_ALL = (0.5, 1.0)
 REPAIR_ROUNDS = 3
 MAX_PASSES = 4
-OPTION_S = 0.5  # the most one option's segment model may take
+OPTION_S = 0.3  # the most one option's segment model may take
 FAR = -(1 << 60)  # live bytes of the steps outside that must not constrain an option
 
 
@@ -82,7 +83,7 @@ def _one_pass(problem: Problem, schedule: Schedule, budget: int, deadline: float
     sources = [rep] + [u for u in units if u not in groups.block_set]
     measured: dict[int, list[tuple[_Option, BlockOption]]] = {}
     for i, g in enumerate(sources):
-        share = (deadline - clock.now()) * (0.5 if i == 0 else 0.6 / (len(sources) - i))
+        share = (deadline - clock.now()) * (0.6 if i == 0 else 0.5 / (len(sources) - i))
         if share < 0.05:
             measured[g] = []
             continue
@@ -137,7 +138,7 @@ def _options(problem: Problem, sim: SimResult, groups: Groups, seg: tuple[int, i
     total = sum(problem.tensors[t].bytes for t in outs)
     saved = set(sim.saved)
     now = sum(problem.tensors[t].bytes for t in outs if t in saved and t not in sim.offloads)
-    caps = sorted({int(x * now) for x in KEPT_NOW} | {int(x * total) for x in KEPT_ALL})
+    caps = list(dict.fromkeys([int(x * now) for x in KEPT_NOW] + [int(x * total) for x in KEPT_ALL]))
     out: list[_Option] = []
     seen = {tuple(sim.steps[a:b])}
     for cap in caps:

@@ -37,12 +37,14 @@ from ..model.simulator import ScheduleError, SimResult, simulate
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop searching once a plan is provably within 0.2% of the step time
-SEARCH_SHARE = 0.75  # of the time limit, for finding plans; the rest certifies the bound (_certify)
+SEARCH_SHARE = 0.75  # of the time limit, for finding plans; the rest certifies the bound (_certify), but
+# CHAIN_SHARE of it for the chain step
 OFFLOAD_SHARE = 0.2  # of the time limit, within SEARCH_SHARE, for mixing in offloads when allowed
 WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; the segment search has the rest
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search runs first
 EARLY_SEGMENT_SHARE = 0.6  # of the search time, for that first segment search
-CHAIN_SHARE = 0.15  # of the time limit, within SEARCH_SHARE, for per-block options combined along the chain
+CHAIN_SHARE = 0.15  # of the time limit, after the search (from the certification's share), for per-block
+# options combined along the chain
 CHAIN = True  # combine per-block options along the chain (search/chain.py) after the segment search
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
 LOWEST_REPORTED_SIZE = 32  # problems whose lowest-peak plan an error reported are remembered (this process)
@@ -181,19 +183,15 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
                 best, stats, lowest = _with_offloads(problem, budget_bytes, best, stats, lowest, ladder_end)
             if budget_bytes is not None:
                 line.note("planning block by block")
-                search_end = t0 + SEARCH_SHARE * time_limit_s
-                chain = CHAIN and len(find_groups(problem).blocks) >= MIN_BLOCKS
-                best, stats, lowest, cut_late = _by_segments(
-                    problem, budget_bytes, best, stats, lowest, search_end - (CHAIN_SHARE * time_limit_s if chain else 0.0),
-                    workers, offload=offload)
-                if chain:
+                best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
+                                                             t0 + SEARCH_SHARE * time_limit_s, workers, offload=offload)
+                if CHAIN and len(find_groups(problem).blocks) >= MIN_BLOCKS:
+                    # its time comes from the certification's share (which rarely needs all of it), so the
+                    # search above is the same with or without it: the plan is never worse
                     line.note("combining block options along the chain")
-                    before = best
-                    best, stats, lowest = _by_chain(problem, budget_bytes, best, stats, lowest, search_end, workers,
+                    chain_end = min(clock.now(), t0 + SEARCH_SHARE * time_limit_s) + CHAIN_SHARE * time_limit_s
+                    best, stats, lowest = _by_chain(problem, budget_bytes, best, stats, lowest, chain_end, workers,
                                                     offload)
-                    if best is before and cut_late:  # nothing better along the chain: the segment search goes on
-                        best, stats, lowest, cut_late = _by_segments(problem, budget_bytes, best, stats, lowest,
-                                                                     search_end, workers, offload=offload)
                 cut = cut or cut_late
             if best is None and budget_bytes is not None:
                 best, stats, lowest = _reported_lowest(problem, budget_bytes, best, stats, lowest)

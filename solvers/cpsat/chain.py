@@ -41,6 +41,18 @@ class ChainSegment:
     margin_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class CopyLimits:
+    """Offloads share one copy queue each way. What blocks i, i+1, ... (forward order) offload must be copied
+    out within the forward from block i's start to its end, and back within the backward before block i's
+    segment (theirs run first). Per block: bytes offloaded now, and those two stretches of compute."""
+
+    host_bw: float
+    now_bytes: tuple[int, ...]
+    forward_after_s: tuple[float, ...]
+    backward_before_s: tuple[float, ...]
+
+
 def choose_options(
     options: list[list[BlockOption]],
     segments: list[ChainSegment],
@@ -49,8 +61,11 @@ def choose_options(
     *,
     time_limit_s: float = 2.0,
     workers: int = 1,
+    copies: CopyLimits | None = None,
 ) -> list[int] | None:
-    """One option index per block (options[i][0] must be 'no change'), or None when no choice fits."""
+    """One option index per block (options[i][0] must be 'no change'), or None when no choice fits.
+    `copies`: the copy queues' limits on what the blocks offload together (a limit the plan now already
+    exceeds only forbids offloading more there)."""
     m = cp_model.CpModel()
     unit = max(1, budget_bytes // (1 << 20))
     units = lambda b: b // unit if b >= 0 else -((-b) // unit)  # noqa: E731  (rounded toward zero)
@@ -71,6 +86,13 @@ def choose_options(
         if following is not None and following != seg.block:
             expr += total(following, "prefetch_bytes")  # the next block's offloads come back during this segment
         m.Add(expr <= cap)
+    if copies is not None:
+        for i in range(len(options)):
+            later = range(i, len(options))
+            now = sum(copies.now_bytes[h] for h in later)
+            for window in (copies.forward_after_s[i], copies.backward_before_s[i]):
+                room = max(int(copies.host_bw * window), now)
+                m.Add(units(now) + sum(total(h, "prefetch_bytes") for h in later) <= units(room))
     m.Minimize(sum(round(o.time_s / NS) * x for i, opts in enumerate(options) for o, x in zip(opts, pick[i])))
     for row in pick:
         m.AddHint(row[0], 1)

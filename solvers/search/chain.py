@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..cpsat.chain import BlockOption, ChainSegment, choose_options
+from ..cpsat.chain import BlockOption, ChainSegment, CopyLimits, choose_options
 from ..cpsat.common import memory_unit
 from ..cpsat.segment import free_ops, replan_segment
 from ..model import clock
@@ -103,11 +103,13 @@ def _one_pass(problem: Problem, schedule: Schedule, budget: int, deadline: float
     chain = [ChainSegment(max(sim.timeline[a:b]), index.get(g), tuple(index[h] for h in units if h < g))
              for a, b, g in segs]
     forward_peak = max(sim.timeline[:sim.n_forward_steps] + [sim.boundary_bytes])
+    copies = _copy_limits(problem, sim, groups, units, seg_of) if offload else None
     for _round in range(REPAIR_ROUNDS):
         left = deadline - clock.now()
         if left < 0.05:
             break
-        choice = choose_options(options, chain, forward_peak, budget, time_limit_s=min(left, SEGMENT_S), workers=workers)
+        choice = choose_options(options, chain, forward_peak, budget, time_limit_s=min(left, SEGMENT_S), workers=workers,
+                                copies=copies)
         if choice is None or not any(choice):
             break
         picked = {g: usable[index[g]][j] for g, j in zip(units, choice) if j}
@@ -123,6 +125,27 @@ def _one_pass(problem: Problem, schedule: Schedule, budget: int, deadline: float
         if tsim.peak_step < tsim.n_forward_steps:
             forward_peak += tsim.peak_bytes - budget
     return schedule
+
+
+def _copy_limits(problem: Problem, sim: SimResult, groups: Groups, units: list[int], seg_of) -> CopyLimits:
+    """What each unit offloads now, the forward's compute from its first op on, the backward's before its segment."""
+    n_fw = sim.n_forward_steps
+    fw_times = [problem.ops[o].time_s for o, _rc in sim.steps[:n_fw]]
+    fw_pos = {o: k for k, (o, _rc) in enumerate(sim.steps[:n_fw])}
+    bw_before = [0.0]
+    for o, _rc in sim.steps[n_fw:]:
+        bw_before.append(bw_before[-1] + problem.ops[o].time_s)
+    now = dict.fromkeys(units, 0)
+    for t in sim.offloads:
+        g = groups.of_op.get(problem.tensors[t].producer)
+        if g in now:
+            now[g] += problem.tensors[t].bytes
+    return CopyLimits(
+        problem.host_bw,
+        tuple(now[g] for g in units),
+        tuple(sum(fw_times[min(fw_pos[o] for o in groups.members[g]):]) for g in units),
+        tuple(bw_before[seg_of[g][0] - n_fw] for g in units),
+    )
 
 
 def _options(problem: Problem, sim: SimResult, groups: Groups, seg: tuple[int, int], g: int, budget: int,
@@ -200,37 +223,39 @@ def _measure(problem: Problem, sim: SimResult, groups: Groups, g: int, opt: _Opt
 def _apply(problem: Problem, sim: SimResult, groups: Groups, rep: int, picked: dict[int, _Option]) -> Schedule | None:
     """Each group's segment run by its picked option (a block's translated from `rep`'s by forward position,
     restricted to the ops free in its own segment): its steps when the segment runs the same op shapes,
-    else its recomputations placed before their first readers in the group's own steps. None when one
-    cannot be applied."""
+    else its recomputations placed before their first readers in the group's own steps. A group whose
+    segment cannot take its option keeps its plan; None when none can."""
     cur, sched = sim, None
     for g, opt in sorted(picked.items()):
-        src = rep if g in groups.block_set else g
-        fw_map = dict(zip(groups.members[src], groups.members[g]))
-        seg = {x: (a, b) for a, b, x in segments(problem, cur, groups)}.get(g)
-        if seg is None:
-            return None
-        a, b = seg
-        free = set(free_ops(problem, cur, a, b, groups.members[g], offload=opt.windowed))
-        mine = {fw_map[f] for f in opt.free if fw_map.get(f) in free}
-        if not mine:
-            return None
-        old = cur.steps[a:b]
-        new = _translate(problem, opt, old, fw_map) if len(mine) == len(opt.free) else None
-        if new is None:
-            new = _place(problem, [s for s in old if not (s[1] and s[0] in mine)],
-                         {fw_map[f] for f in opt.recompute} & mine)
-        moved = None
-        if opt.windowed:
-            outs = {t for f in mine for t in problem.ops[f].outputs}
-            moved = (outs, {t for f in opt.offload for t in problem.ops[fw_map[f]].outputs if fw_map[f] in mine})
-        sched = replace_run(problem, cur, old, new, moved)
-        if sched is None:
-            return None
+        trial = _apply_one(problem, cur, groups, rep if g in groups.block_set else g, g, opt)
+        if trial is None:
+            continue
         try:
-            cur = simulate(problem, sched)
+            cur, sched = simulate(problem, trial), trial
         except ScheduleError:
-            return None
+            continue
     return sched
+
+
+def _apply_one(problem: Problem, sim: SimResult, groups: Groups, src: int, g: int, opt: _Option) -> Schedule | None:
+    fw_map = dict(zip(groups.members[src], groups.members[g]))
+    seg = {x: (a, b) for a, b, x in segments(problem, sim, groups)}.get(g)
+    if seg is None:
+        return None
+    a, b = seg
+    free = set(free_ops(problem, sim, a, b, groups.members[g], offload=opt.windowed))
+    mine = {fw_map[f] for f in opt.free if fw_map.get(f) in free}
+    if not mine:
+        return None
+    old = sim.steps[a:b]
+    new = _translate(problem, opt, old, fw_map) if len(mine) == len(opt.free) else None
+    if new is None:
+        new = _place(problem, [s for s in old if not (s[1] and s[0] in mine)], {fw_map[f] for f in opt.recompute} & mine)
+    moved = None
+    if opt.windowed:
+        outs = {t for f in mine for t in problem.ops[f].outputs}
+        moved = (outs, {t for f in opt.offload for t in problem.ops[fw_map[f]].outputs if fw_map[f] in mine})
+    return replace_run(problem, sim, old, new, moved)
 
 
 def _applies(problem: Problem, sim: SimResult, groups: Groups, src: int, g: int, opt: _Option,
@@ -251,10 +276,10 @@ def _translate(problem: Problem, opt: _Option, old: list, fw_map: dict) -> list 
     where = {s: i for i, s in enumerate(opt.old)}
     out = []
     for o, rc in opt.steps:
-        if rc and o in fw_map:
-            out.append((fw_map[o], True))
-        elif (o, rc) in where:
+        if (o, rc) in where:
             out.append(old[where[(o, rc)]])
+        elif rc and o in fw_map:
+            out.append((fw_map[o], True))
         else:
             return None
     return out

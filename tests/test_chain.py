@@ -10,7 +10,7 @@ import random
 import pytest
 
 from optsched.solvers import Op, Phase, Problem, Schedule, Tensor, TensorKind, default_schedule, simulate, solve
-from optsched.solvers.cpsat.chain import BlockOption, ChainSegment, choose_options
+from optsched.solvers.cpsat.chain import BlockOption, ChainSegment, CopyLimits, choose_options
 from optsched.solvers.model import clock
 from optsched.solvers.search.blocks import find_groups
 from optsched.solvers.search.chain import improve_by_chain
@@ -87,11 +87,22 @@ def _random_chain(rng: random.Random):
     segments += [ChainSegment(rng.randint(300, 500), i, tuple(range(i)), rng.choice([0, rng.randint(0, 30)]))
                  for i in reversed(range(n))]
     segments.append(ChainSegment(rng.randint(200, 400), None, ()))  # the stem's, last
-    return options, segments, rng.randint(300, 500), rng.randint(420, 560)
+    copies = None
+    if rng.random() < 0.5:  # copy queues: 1 byte per second, windows of a few tens of bytes
+        copies = CopyLimits(1.0, tuple(rng.randint(0, 10) for _ in range(n)),
+                            tuple(sorted((float(rng.randint(0, 30)) for _ in range(n)), reverse=True)),
+                            tuple(sorted((float(rng.randint(0, 30)) for _ in range(n)), reverse=True)))
+    return options, segments, rng.randint(300, 500), rng.randint(420, 560), copies
 
 
-def _fits(options, segments, forward_peak, budget, choice) -> bool:
+def _fits(options, segments, forward_peak, budget, choice, copies=None) -> bool:
     picked = [options[i][j] for i, j in enumerate(choice)]
+    if copies is not None:
+        for i in range(len(options)):
+            now = sum(copies.now_bytes[i:])
+            moved = now + sum(o.prefetch_bytes for o in picked[i:])
+            if any(moved > max(int(copies.host_bw * w), now) for w in (copies.forward_after_s[i], copies.backward_before_s[i])):
+                return False
     if forward_peak + sum(o.kept_bytes for o in picked) > budget:
         return False
     for k, seg in enumerate(segments):
@@ -113,14 +124,14 @@ def _cost(options, choice) -> int:
 @pytest.mark.parametrize("seed", range(40))
 def test_chain_model_matches_brute_force(seed):
     rng = random.Random(seed)
-    options, segments, forward_peak, budget = _random_chain(rng)
+    options, segments, forward_peak, budget, copies = _random_chain(rng)
     every = [c for c in itertools.product(*(range(len(row)) for row in options))
-             if _fits(options, segments, forward_peak, budget, c)]
-    got = choose_options(options, segments, forward_peak, budget, time_limit_s=5.0)
+             if _fits(options, segments, forward_peak, budget, c, copies)]
+    got = choose_options(options, segments, forward_peak, budget, time_limit_s=5.0, copies=copies)
     if not every:
         assert got is None
         return
-    assert got is not None and _fits(options, segments, forward_peak, budget, got)
+    assert got is not None and _fits(options, segments, forward_peak, budget, got, copies)
     assert _cost(options, got) == min(_cost(options, c) for c in every)
 
 

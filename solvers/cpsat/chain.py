@@ -5,7 +5,9 @@ changes against the plan now: step time, bytes the block keeps on the device fro
 forward to its segment, the segment's own peak, and bytes prefetched during the segment
 before it. A block's kept bytes raise every segment that runs before its own (the later
 blocks', and the head's), and the forward's end; that is what makes the choice a chain
-problem rather than one per block: early blocks should keep less than late ones.
+problem rather than one per block: early blocks should keep less than late ones. The
+offloads of all blocks share one copy queue each way (`CopyLimits`): each option's alone may
+hide behind compute while all of them together stall the step.
 
 The model is linear in these deltas, an estimate: solvers/search/chain.py applies the choice,
 the simulator judges it, and a violated segment gets the difference as a margin.
@@ -27,7 +29,7 @@ class BlockOption:
     time_s: float
     kept_bytes: int  # held from the block's forward to its segment
     segment_peak_bytes: int  # the segment's own peak
-    prefetch_bytes: int  # copied back during the segment that runs just before this block's
+    prefetch_bytes: int  # offloaded: copied back during the segment that runs just before this block's
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,20 @@
 """Block options combined along the chain: each group's backward segment picks one of a few plans, together.
 
 The segment search copies one block's answer to every sibling, so all blocks end up alike.
-But a block early in the forward holds what it keeps for longer (through every later
-block's forward and backward) than a late one, so the best plan usually recomputes more
-early and less late. Here one representative block's segment is planned for a ladder of
-caps on the bytes it keeps to the backward (solvers/cpsat/segment.py; what that does to
-the rest of the plan is left to the chain model), giving its options; the stem and the
-head (embeddings, final norm, LM head, loss) get ladders of their own. Each option is
-measured by the simulator on its group alone (time, bytes kept, the segment's own peak,
-bytes prefetched), as a change against the plan now; solvers/cpsat/chain.py picks one per
-group for the least time under the budget; the choice is applied to every group, blocks
-mapped from the representative by position in the forward, and the simulator judges. A
-segment it finds over budget gets the excess as a margin and the chain is solved again.
+But what a block keeps to the backward raises every step from its forward to its segment:
+an early block's lives through every later block's forward and backward, a late block's
+only through the head's. So the best plan keeps less early (recomputes or offloads more:
+early blocks also have the most forward left to hide copies) and more late. Here one
+representative block's segment is planned for a ladder of caps on the bytes it keeps
+(solvers/cpsat/segment.py; what that does to the rest of the plan is the chain model's
+business), giving its options; the stem and the head (embeddings, final norm, LM head,
+loss) get ladders of their own. Each option is measured by the simulator on its group
+alone (time, bytes kept, the segment's own peak, bytes offloaded), as a change against the
+plan now; solvers/cpsat/chain.py picks one per group for the least time under the budget
+and the copy queues' limits; the choice is applied to every group (a block's translated
+from the representative's by position in the forward, restricted to what is free in its
+own segment) and the simulator judges. A segment it finds over budget gets the excess as a
+margin and the chain is solved again; a pass that helps is followed by another from its plan.
 """
 
 from __future__ import annotations

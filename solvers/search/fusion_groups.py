@@ -8,7 +8,8 @@ group's time is the executor's estimate for the fused kernel, given by the calle
 
 Which ops form groups: `find_groups` (vertical fusion: ops joined by values only they read,
 order tokens of writes included, never fanning out across independent ops), with
-`find_chains` as the fallback for a set that is not convex.
+`find_chains` as the fallback for a set that is not convex. `merge_formed`: a schedule's formed fusion
+options (`Problem.fusion_options`, decided by the solver) merged the same way, for lowering.
 """
 
 from __future__ import annotations

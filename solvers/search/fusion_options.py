@@ -162,9 +162,13 @@ def decided_stats(stats: SolveStats, decision: FusionDecision) -> SolveStats:
 
 
 def solve_with_options(problem: Problem, budget_bytes: int | None, **kwargs) -> Solution:
-    """`solve`, then the fusion options the solve left unformed decided on its plan (`form_options`).
-    The same as `solve` for a problem without options."""
-    sol = solve(problem, budget_bytes, **kwargs)
+    """`solve`, then the fusion options the solve left unformed decided on its plan (`with_options_decided`)."""
+    return with_options_decided(problem, budget_bytes, solve(problem, budget_bytes, **kwargs))
+
+
+def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Solution) -> Solution:
+    """`sol` with the fusion options it left unformed decided on its plan (`form_options`); `sol` itself for
+    a problem without options."""
     if not problem.fusion_options:
         return sol
     decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)

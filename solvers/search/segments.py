@@ -8,7 +8,9 @@ segment is a repeated block's, the same change is tried on every other block of 
 shape at once: a block solved once serves the whole chain, which keeps planning time
 linear in depth. With `offload=True` (the problem has host bandwidth), each segment model also
 decides which of its activations go to the host and back (prefetched one copy time ahead of
-the segment), and the plan's offloads are carried through every change.
+the segment), and the plan's offloads are carried through every change. Fusion options whose members
+are all backward steps of a segment are decided by its model too (formed or not, copied to sibling
+blocks by their steps); formed groups elsewhere are carried while their members stay consecutive.
 """
 
 from __future__ import annotations

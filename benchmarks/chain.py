@@ -14,6 +14,7 @@ seconds each plan took. Writes benchmarks/results/chain.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import time
 from pathlib import Path
@@ -44,8 +45,6 @@ def capture(case: str, cache: Path | None):
         torch.manual_seed(0)
         cfg = gpt.GPTConfig(n_layer=int(case[len("gpt"):]), n_embd=256, n_head=4, block_size=128)
         problem = capture_problem(gpt.build(cfg), gpt.make_batch(cfg, batch_size=8, seq_len=128), device_profile="cpu")
-        import dataclasses
-
         problem = dataclasses.replace(problem, host_bw=0.0)
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)

@@ -391,7 +391,8 @@ class Planner:
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
                 problem, items, budget_bytes, lambda b: with_options_decided(problem, b, solve(
-                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning))
+                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning),
+                    deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
             if from_reference:

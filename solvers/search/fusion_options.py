@@ -8,7 +8,10 @@ member's place, ops between that depend on them after it; or to the first member
 they depend on before it; a recomputed forward group likewise in the backward) and the option is
 formed when the simulator says the plan is better: within a budget, faster (or as fast and lower);
 with none, faster with no higher peak (fusing independent ops makes their outputs live together,
-the way memory-blind fusion inflates peaks). Each try costs one simulation, not a solve.
+the way memory-blind fusion inflates peaks). Each try costs one simulation, not a solve. A backward
+option neither placement can form is given to the segment model once, on a window of the backward
+around its members (order and formation decided together, within the budget, or with none within
+the plan's peak); the simulator judges that too.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..cpsat.segment import replan_segment
+from ..model import clock
 from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats
 from ..model.simulator import SimResult, simulate
+from .segments import splice
 from .strategy import Solution, solve
 
 MIB = 2**20
+WINDOW = 8  # backward steps on each side of a group's members the segment model may reorder
+WINDOW_S = 1.0  # the most that model may take
 
 
 @dataclass
@@ -131,21 +139,48 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
             tried.append(csim)
             if accepts(csim, out.sim, budget) and (best is None or accepts(csim, best[1], budget)):
                 best = (cand, csim)
+        how = ""
+        if best is None and problem.ops[opt.members[0]].phase is Phase.BW:
+            best = _by_segment_model(problem, out.sim, i, budget)
+            how = " (the backward around it reordered by the segment model)"
         if best is not None:
             out.saved_s += out.sim.time_s - best[1].time_s
             out.notes.append(f"{label}: kept, peak {best[1].peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
-                             f"time {best[1].time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}")
+                             f"time {best[1].time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f}{how}")
             out.schedule, out.sim = best
         elif not tried:
             out.notes.append(f"{label}: rejected, its members cannot run together in this plan (recomputed in part, "
                              "or across another group)")
         else:
             low = min(tried, key=lambda s: (s.peak_bytes, s.time_s))
-            why = "over the budget" if budget is not None and low.peak_bytes > budget else (
-                "no faster" if round(low.time_s, 12) >= round(out.sim.time_s, 12) else "higher peak")
+            why = ", ".join(w for w, bad in (
+                ("over the budget", budget is not None and low.peak_bytes > budget),
+                ("higher peak", budget is None and low.peak_bytes > out.sim.peak_bytes),
+                ("no faster", round(low.time_s, 12) >= round(out.sim.time_s, 12))) if bad) or "no better"
             out.notes.append(f"{label}: rejected, peak {low.peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
                              f"time {low.time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f} ({why})")
     return out
+
+
+def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | None) -> tuple[Schedule, SimResult] | None:
+    """Backward option `i` formed by the segment model on a window around its members (order decided with
+    it): within the budget (none: the plan's peak), else at the window's lowest peak (the model does not
+    count storage reuse, so it may see the plan above its real peak); kept when the simulator accepts it."""
+    n_fw = sim.n_forward_steps
+    at = [k for k, (o, rc) in enumerate(sim.steps) if not rc and o in set(problem.fusion_options[i].members)]
+    a, b = max(n_fw, at[0] - WINDOW), min(len(sim.steps), at[-1] + WINDOW + 1)
+    for cap in (sim.peak_bytes if budget is None else budget, None):
+        res = replan_segment(problem, sim, a, b, [], cap, time_limit_s=WINDOW_S / 2)
+        if res is None or not res.fusion.get(i):
+            continue
+        cand = splice(problem, sim, a, b, res.steps, fusion=res.fusion)
+        try:
+            csim = simulate(problem, cand)
+        except ScheduleError:
+            continue
+        if i in cand.formed and accepts(csim, sim, budget):
+            return cand, csim
+    return None
 
 
 def decided_stats(stats: SolveStats, decision: FusionDecision) -> SolveStats:
@@ -163,15 +198,18 @@ def decided_stats(stats: SolveStats, decision: FusionDecision) -> SolveStats:
 
 def solve_with_options(problem: Problem, budget_bytes: int | None, **kwargs) -> Solution:
     """`solve`, then the fusion options the solve left unformed decided on its plan (`with_options_decided`)."""
-    return with_options_decided(problem, budget_bytes, solve(problem, budget_bytes, **kwargs))
+    sol = solve(problem, budget_bytes, **kwargs)
+    return with_options_decided(problem, budget_bytes, sol, deterministic=kwargs.get("deterministic", False))
 
 
-def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Solution) -> Solution:
+def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Solution, *, deterministic: bool = False,
+                         ) -> Solution:
     """`sol` with the fusion options it left unformed decided on its plan (`form_options`); `sol` itself for
-    a problem without options."""
+    a problem without options. `deterministic`: as `solve`'s (the segment model's answers repeat)."""
     if not problem.fusion_options:
         return sol
-    decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
+    with clock.deterministic(deterministic):
+        decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
     return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim,
                                stats=decided_stats(sol.stats, decision),
                                lower_bound_bytes=min(sol.lower_bound_bytes, decision.sim.peak_bytes))

@@ -188,8 +188,11 @@ def test_the_segment_model_forms_a_backward_group_only_when_the_budget_allows(bu
     sim = simulate(p, default_schedule(p))
     a, b = sim.n_forward_steps, len(sim.steps)
     budget = budget_mib * MiB
-    res = replan_segment(p, sim, a, b, free_ops(p, sim, a, b, [o.id for o in p.fw_ops]), budget, time_limit_s=5)
+    free = free_ops(p, sim, a, b, [o.id for o in p.fw_ops])
+    res = replan_segment(p, sim, a, b, free, budget, time_limit_s=5, decide_fusion=True)
     assert res is not None and res.fusion == {0: formed}
+    kept = replan_segment(p, sim, a, b, free, budget, time_limit_s=5)  # not asked to decide: left as it is
+    assert kept is not None and kept.fusion == {0: False}
     schedule = splice(p, sim, a, b, res.steps, fusion=res.fusion)
     assert schedule.formed == ((0,) if formed else ())
     assert violations(p, schedule) == []

@@ -123,7 +123,7 @@ def free_ops(problem: Problem, sim: SimResult, a: int, b: int, owned: Iterable[i
 
 class _SegmentModel:
     def __init__(self, problem: Problem, sim: SimResult, a: int, b: int, free: list[int],
-                 window: OffloadWindow | None = None):
+                 window: OffloadWindow | None = None, decide_fusion: bool = False):
         self.p, self.sim, self.a, self.b = problem, sim, a, b
         self.free = list(free)
         self.window = window
@@ -154,14 +154,15 @@ class _SegmentModel:
         self.off_at: dict[int, list[cp_model.IntVar]] = {}  # free op -> offloaded and back from each prefetch
         n_fw = sim.n_forward_steps
         self.rc_step = {o: k for k, (o, rc) in enumerate(sim.steps) if rc and k >= n_fw}
-        self._fusion_options()
+        self._fusion_options(decide_fusion)
         self._tensors(free_set)
         self._workspace()
         self._offload_limits()
 
-    def _fusion_options(self) -> None:
+    def _fusion_options(self, decide: bool) -> None:
         """A formed literal per option whose members are all fixed backward steps here; when formed, the
-        members fill [start, start + len) (positions are distinct, so nothing runs between them)."""
+        members fill [start, start + len) (positions are distinct, so nothing runs between them). Not
+        `decide`: each stays as the plan has it."""
         m, p = self.m, self.p
         index = {s: i for i, s in enumerate(self.fixed)}
         self.f: dict[int, cp_model.IntVar] = {}
@@ -175,6 +176,8 @@ class _SegmentModel:
             if any(i is None for i in steps) or p.ops[opt.members[0]].phase is not Phase.BW:
                 continue
             f = self.f[j] = m.NewBoolVar(f"formed[{j}]")
+            if not decide:
+                m.Add(f == int(j in self.sim.formed))
             start = self.run_start[j] = m.NewIntVar(0, self.n - len(steps), f"run{j}")
             self.run_end[j] = start + len(steps)
             for i in steps:
@@ -439,14 +442,17 @@ def replan_segment(
     time_limit_s: float = 2.0,
     workers: int = 2,
     window: OffloadWindow | None = None,
+    decide_fusion: bool = False,
 ) -> SegmentPlan | None:
     """The segment [a, b) replanned: least recompute time within `budget_bytes`, or (None) lowest peak;
-    with `window`, free ops' outputs may be offloaded too.
+    with `window`, free ops' outputs may be offloaded too; with `decide_fusion`, the fusion options of
+    the segment's backward steps are formed or not (else each stays as the plan has it; either way
+    `SegmentPlan.fusion` says, for `splice`).
 
     None when the model finds nothing (no plan within the budget in this model, or no time)."""
     if b - a < 1 or a < sim.n_forward_steps:
         return None
-    model = _SegmentModel(problem, sim, a, b, free, window)
+    model = _SegmentModel(problem, sim, a, b, free, window, decide_fusion)
     m, unit = model.m, model.unit
     outside = model.outside_terms()
     top = sum(model.demands) + model.const_units + max((base for base, _, _ in outside), default=0) // unit + 1

@@ -170,7 +170,7 @@ def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | No
     at = [k for k, (o, rc) in enumerate(sim.steps) if not rc and o in set(problem.fusion_options[i].members)]
     a, b = max(n_fw, at[0] - WINDOW), min(len(sim.steps), at[-1] + WINDOW + 1)
     for cap in (sim.peak_bytes if budget is None else budget, None):
-        res = replan_segment(problem, sim, a, b, [], cap, time_limit_s=WINDOW_S / 2)
+        res = replan_segment(problem, sim, a, b, [], cap, time_limit_s=WINDOW_S / 2, decide_fusion=True)
         if res is None or not res.fusion.get(i):
             continue
         cand = splice(problem, sim, a, b, res.steps, fusion=res.fusion)

@@ -136,9 +136,11 @@ def improve_by_segments(
             free = free_ops(problem, bsim, a, b, groups.members[g], offload=offload and problem.host_bw > 0)
             window = offload_window(problem, bsim, a, free) if offload else None
             limit = min(left, SEGMENT_S)
-            res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=limit, workers=workers, window=window)
+            res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=limit, workers=workers, window=window,
+                                 decide_fusion=True)
             if res is None and not fits:
-                res = replan_segment(problem, bsim, a, b, free, None, time_limit_s=limit, workers=workers, window=window)
+                res = replan_segment(problem, bsim, a, b, free, None, time_limit_s=limit, workers=workers, window=window,
+                                     decide_fusion=True)
             if res is None:
                 continue
             outs = {t for f in free for t in problem.ops[f].outputs}

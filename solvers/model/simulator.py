@@ -94,8 +94,9 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
                                  runs=[(r.start, r.end, problem.fusion_options[r.option].time_s) for r in runs])
         time_s += offload.exposed_s
     lifetimes = _lifetimes(span, offload)
-    nbytes = hidden_bytes(problem, runs) if runs else [t.bytes for t in problem.tensors]
-    timeline = _timeline(steps, lifetimes, span, nbytes, step_workspace(problem, steps, runs))
+    nbytes = hidden_bytes(problem, runs) if runs else None  # None: the tensors' own sizes
+    workspace = step_workspace(problem, steps, runs) if runs else None
+    timeline = _timeline(problem, steps, lifetimes, span, nbytes, workspace)
     boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps), nbytes)
     peak = max(timeline + [boundary])
     return SimResult(
@@ -222,25 +223,29 @@ def _lifetimes(span: dict, offload) -> list[Lifetime]:
     return lifetimes
 
 
-def _timeline(steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict, nbytes: list[int],
-              workspace: list[int]) -> list[int]:
+def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict,
+              nbytes: list[int] | None = None, workspace: list[int] | None = None) -> list[int]:
     """Live bytes at each step (lifetimes summed by a difference array) plus the step's
-    workspace; an empty program still holds its inputs."""
+    workspace; an empty program still holds its inputs. `nbytes`, `workspace`: per tensor and per
+    step, when formed fusion groups change them (fusion_sim.py)."""
+    size = nbytes if nbytes is not None else [t.bytes for t in problem.tensors]
     delta = [0] * (len(steps) + 2)
     for lt in lifetimes:
         if lt.end >= lt.start:
-            delta[lt.start] += nbytes[lt.tensor]
-            delta[lt.end + 1] -= nbytes[lt.tensor]
+            delta[lt.start] += size[lt.tensor]
+            delta[lt.end + 1] -= size[lt.tensor]
     timeline, live = [], 0
-    for k in range(len(steps)):
+    ops = problem.ops
+    for k, (o, _rc) in enumerate(steps):
         live += delta[k]
-        timeline.append(live + workspace[k])
+        timeline.append(live + (ops[o].workspace_bytes if workspace is None else workspace[k]))
     if not timeline:
-        timeline = [sum(nbytes[t] for (t, _), _v in span.items())]
+        timeline = [sum(size[t] for (t, _), _v in span.items())]
     return timeline
 
 
-def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int, nbytes: list[int]) -> int:
+def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int,
+                     nbytes: list[int] | None = None) -> int:
     """Live bytes while the caller computes its loss between our forward and backward: what crosses
     from forward to backward (inputs, saved and held values), the tangents it is making, and its own
     intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of."""
@@ -248,7 +253,7 @@ def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_s
     if not caller or n_steps <= n_fw:
         return 0
     live = sum(
-        nbytes[lt.tensor]
+        problem.tensors[lt.tensor].bytes if nbytes is None else nbytes[lt.tensor]
         for lt in lifetimes
         if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind is TensorKind.TANGENT)
     )

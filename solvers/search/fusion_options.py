@@ -140,9 +140,10 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
             if accepts(csim, out.sim, budget) and (best is None or accepts(csim, best[1], budget)):
                 best = (cand, csim)
         how = ""
-        if best is None and problem.ops[opt.members[0]].phase is Phase.BW:
-            best = _by_segment_model(problem, out.sim, i, budget)
-            how = " (the backward around it reordered by the segment model)"
+        if problem.ops[opt.members[0]].phase is Phase.BW and (best is None or best[1].peak_bytes > out.sim.peak_bytes):
+            modelled = _by_segment_model(problem, out.sim, i, budget)  # may form it without raising the peak
+            if modelled is not None and (best is None or _dominates(modelled[1], best[1])):
+                best, how = modelled, " (the backward around it reordered by the segment model)"
         if best is not None:
             out.saved_s += out.sim.time_s - best[1].time_s
             out.notes.append(f"{label}: kept, peak {best[1].peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
@@ -160,6 +161,12 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
             out.notes.append(f"{label}: rejected, peak {low.peak_bytes / MIB:.2f} MiB vs {out.sim.peak_bytes / MIB:.2f}, "
                              f"time {low.time_s * 1e3:.3f} ms vs {out.sim.time_s * 1e3:.3f} ({why})")
     return out
+
+
+def _dominates(a: SimResult, b: SimResult) -> bool:
+    """No slower and no higher, and better in one."""
+    ta, tb = round(a.time_s, 12), round(b.time_s, 12)
+    return ta <= tb and a.peak_bytes <= b.peak_bytes and (ta, a.peak_bytes) != (tb, b.peak_bytes)
 
 
 def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | None) -> tuple[Schedule, SimResult] | None:

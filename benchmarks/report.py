@@ -68,7 +68,7 @@ def seed_table(d: dict) -> str:
         notes += [f"{name}: {n}" for n in r.get("optsched_inductor_notes", [])]
     lines += ["", "MiB above the inputs, at the allocator."]
     if notes:
-        lines += ["", "Horizontal fusion, as Thunder does it, tried by the planner and rejected:", ""]
+        lines += ["", "Horizontal fusion, as Thunder does it, offered to the solver as fusion options, and what it decided:", ""]
         lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 

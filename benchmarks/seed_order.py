@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
         for note in r.get("optsched_inductor_notes", []):
             print(f"{'':>12}   {note}")
     print("MiB above the inputs, at the allocator (CPU). *Thunder: as reported in the issue thread (CUDA), not measured here.\n"
-          "+inductor: optsched with fusion groups run by Inductor; horizontal groups are tried and kept only if they "
-          "do not raise the peak.")
+          "+inductor: optsched with fusion groups run by Inductor; horizontal groups are fusion options the solver "
+          "decides, kept only when the plan is faster with no higher peak.")
     write_result(args.json, rows)
     return rows
 

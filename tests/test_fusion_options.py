@@ -17,10 +17,11 @@ from benchmarks.models.seed_functions import make_inputs, memory_peak_inefficien
 from optsched.measure import live_bytes, measure_peak, measure_training_step
 from optsched.solvers import Op, Phase, Problem, Schedule, ScheduleError, Tensor, TensorKind, default_schedule, simulate
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
-from optsched.solvers.model.problem import FusionOption, convexity_violation
+from optsched.solvers.model.problem import FusionOption, SolveStats, convexity_violation
 from optsched.solvers.search.fusion_groups import merge_formed
 from optsched.solvers.search.fusion_options import form_options, solve_with_options, with_option
 from optsched.solvers.search.segments import splice
+from optsched.solvers.search.strategy import certify
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem, random_layered_problem
 from schedule_checker import fused_replay, violations
 
@@ -205,6 +206,32 @@ def test_the_segment_model_forms_a_backward_group_only_when_the_budget_allows(bu
     sol = solve_with_options(p, budget, time_limit_s=3)
     assert sol.schedule.formed == schedule.formed and sol.sim.peak_bytes <= budget
     assert violations(p, sol.schedule) == []
+
+
+@pytest.mark.parametrize("budget_mib", [11, 20])
+def test_the_bound_of_a_plan_with_a_formed_group_is_for_that_grouping(budget_mib):
+    """A formed group saves time: a bound computed without it (each op's own time) sat above the plan and
+    was reported as OPTIMAL, gap 0. The bound is now the relaxation's on the problem with the group merged,
+    below the plan, and by the checker's replay no plan in this order with this group beats it."""
+    p = _backward_group_problem()
+    sim = simulate(p, default_schedule(p))
+    a, b = sim.n_forward_steps, len(sim.steps)
+    budget = budget_mib * MiB
+    res = replan_segment(p, sim, a, b, [], budget, time_limit_s=5, decide_fusion=True)
+    schedule = splice(p, sim, a, b, res.steps, fusion=res.fusion)
+    assert schedule.formed == (0,)
+    plan = simulate(p, schedule)
+    stats = SolveStats("HEURISTIC", plan.time_s, 0.0, 1.0, 0.0, "test")
+    certify(p, schedule, budget, stats, 2.0, 1)
+    merged, on_merged = merge_formed(p, schedule)
+    each_op_once = sum(o.time_s for o in merged.problem.ops)
+    assert stats.bound_s <= plan.time_s * (1 + 1e-9)
+    assert stats.bound_s == pytest.approx(each_op_once)  # nothing to recompute here: the bound is tight
+    assert stats.status == "OPTIMAL" and stats.notes[-1].startswith("bound: every save/recompute plan")
+    assert fused_replay(p, schedule)[1] == pytest.approx(stats.bound_s)
+    # and the whole solver, with the group formed after its solve, reports a bound below its plan
+    sol = solve_with_options(p, budget, time_limit_s=3)
+    assert sol.schedule.formed == (0,) and sol.stats.bound_s <= sol.sim.time_s * (1 + 1e-9)
 
 
 def test_horizontal_options_that_raise_the_peak_are_not_formed_without_a_budget():

@@ -24,11 +24,12 @@ from ..model import clock
 from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats
 from ..model.simulator import SimResult, simulate
 from .segments import splice
-from .strategy import Solution, solve
+from .strategy import Solution, certify, solve
 
 MIB = 2**20
 WINDOW = 8  # backward steps on each side of a group's members the segment model may reorder
 WINDOW_S = 1.0  # the most that model may take
+CERTIFY_S = 1.0  # the most the relaxation may take to bound a plan with groups formed here
 
 
 @dataclass
@@ -190,17 +191,26 @@ def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | No
     return None
 
 
-def decided_stats(stats: SolveStats, decision: FusionDecision) -> SolveStats:
-    """The solve's stats after `form_options`: the plan's time, the time bound less what the groups formed
-    here save (the bound was for plans without them), and their notes."""
+def decided_stats(problem: Problem, budget: int | None, stats: SolveStats, decision: FusionDecision) -> SolveStats:
+    """The solve's stats after `form_options`: the plan's time, and a bound for the groups it now forms.
+    Without a budget, the solve's bound (each op once) less what the new groups save. With one, the
+    relaxation again (`certify`, CERTIFY_S) on the plan with its groups merged: hiding a group's internal
+    values and holding its inputs through the run change memory, so the old bound less the time saved
+    is not a bound."""
     if not decision.saved_s:
         return dataclasses.replace(stats, notes=stats.notes + decision.notes)
     objective = decision.sim.time_s
-    bound = max(0.0, min(stats.bound_s - decision.saved_s, objective))
-    gap = (objective - bound) / objective if objective > 0 else 0.0
-    status = "FEASIBLE" if stats.status == "OPTIMAL" and gap > 1e-9 else stats.status
-    return dataclasses.replace(stats, objective_s=objective, bound_s=bound, gap=gap, status=status,
-                               notes=stats.notes + decision.notes)
+    out = dataclasses.replace(stats, objective_s=objective, notes=[n for n in stats.notes if not n.startswith("bound:")])
+    if budget is None:
+        bound = max(0.0, min(stats.bound_s - decision.saved_s, objective))
+        out.bound_s, out.gap = bound, (objective - bound) / objective if objective > 0 else 0.0
+        out.status = "FEASIBLE" if stats.status == "OPTIMAL" and out.gap > 1e-9 else stats.status
+        out.notes = stats.notes + decision.notes
+        return out
+    out.status = "FEASIBLE" if stats.status == "OPTIMAL" else stats.status
+    certify(problem, decision.schedule, budget, out, CERTIFY_S, workers=1)
+    out.notes += decision.notes
+    return out
 
 
 def solve_with_options(problem: Problem, budget_bytes: int | None, **kwargs) -> Solution:
@@ -217,6 +227,6 @@ def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Soluti
         return sol
     with clock.deterministic(deterministic):
         decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
-    return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim,
-                               stats=decided_stats(sol.stats, decision),
+        stats = decided_stats(problem, budget_bytes, sol.stats, decision)
+    return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim, stats=stats,
                                lower_bound_bytes=min(sol.lower_bound_bytes, decision.sim.peak_bytes))

@@ -29,6 +29,7 @@ from .offload import mix_offload_and_recompute
 from ..model import clock
 from ..progress import Display, ProgressLine
 from .blocks import find_groups
+from .fusion_groups import merge_formed
 from .segments import improve_by_segments
 from .chain import MIN_BLOCKS, improve_by_chain
 from .reorder import base_orders, refine_order
@@ -37,7 +38,7 @@ from ..model.simulator import ScheduleError, SimResult, simulate
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop searching once a plan is provably within 0.2% of the step time
-SEARCH_SHARE = 0.75  # of the time limit, for finding plans; the rest certifies the bound (_certify), but
+SEARCH_SHARE = 0.75  # of the time limit, for finding plans; the rest certifies the bound (certify), but
 # CHAIN_SHARE of it for the chain step
 OFFLOAD_SHARE = 0.2  # of the time limit, within SEARCH_SHARE, for mixing in offloads when allowed
 WHOLE_PROGRAM_SHARE = 0.55  # of the search time, for the whole-program models; the segment search has the rest
@@ -198,7 +199,7 @@ def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, work
             if offload and best is not None:
                 _weaken_to_offload_space(problem, stats)
             if best is not None and budget_bytes is not None:
-                _certify(problem, best, budget_bytes, stats, time_limit_s - (clock.now() - t0), workers)
+                certify(problem, best, budget_bytes, stats, time_limit_s - (clock.now() - t0), workers)
         else:
             best, stats = _solve_forward_only(problem, time_limit_s, workers)
             lowest = best
@@ -442,7 +443,7 @@ def _remat_candidates(
     base_s = sum(problem.ops[o].time_s for o in fw_order + bw_order)
     bound = base_s  # every op once; the interval model's own bound is not valid (it over-counts memory)
     # the interval model counts memory conservatively: its OPTIMAL proves nothing about the simulator's
-    # plans, so the status waits for the relaxation's certificate (_certify)
+    # plans, so the status waits for the relaxation's certificate (certify)
     notes = list(res.notes) + ([f"interval model {res.status} (conservative memory: not a proof)"] if res.status == "OPTIMAL" else [])
     stats = SolveStats(
         status="FEASIBLE",
@@ -599,11 +600,14 @@ def _weaken_to_offload_space(problem: Problem, stats: SolveStats) -> None:
         stats.status = "FEASIBLE"
 
 
-def _certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:
-    """The bound and status a plan may claim: the relaxation's bound for the plan's own order (valid
-    for every plan in that order, offloading ones too when the problem allows offloading), "OPTIMAL"
-    only when the plan meets it; when the relaxation cannot run, the bound every plan meets (each
-    op once, no waiting)."""
+def certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats, time_s: float, workers: int) -> None:
+    """The bound and status a plan may claim: the relaxation's bound for the plan's own order and fusion
+    groups (valid for every plan in that order with those groups formed, offloading ones too when the
+    problem allows offloading), "OPTIMAL" only when the plan meets it; when the relaxation cannot run,
+    the bound every such plan meets (each op once, no waiting)."""
+    if schedule.formed:  # formed groups change times and memory: the relaxation runs on them merged
+        fused, schedule = merge_formed(problem, schedule)
+        problem = fused.problem
     fw, bw = base_orders(problem, schedule)
     base_s = sum(problem.ops[o].time_s for o in fw + bw)
     res = None

@@ -6,7 +6,7 @@
           ─> the executor's fusion groups merged into ops (solvers.search.fusion_groups; compiled and
              timed by executors.groups)
           ─> horizontal candidates offered as fusion options (compiled and timed alike), solved once within
-             the user's own checkpointing (user_checkpoint, solvers.solve, then search.fusion_options decides them)
+             the user's own checkpointing (user_checkpoint, solvers.solve: search.fusion_options decides them)
           ─> the formed ones merged too, for lowering (the merged plan simulates to the solve's peak and time)
           ─> Plan: budget resolution recorded, plan file saved when asked (plans.cache), reported
 
@@ -50,7 +50,6 @@ from .settings import PlanningSettings
 from .solvers import BudgetInfeasibleError, Problem, Schedule, default_schedule, simulate, solve
 from .solvers.model.problem import FusionOption, convexity_violation
 from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
-from .solvers.search.fusion_options import with_options_decided
 from .user_checkpoint import solve_within_user_checkpointing
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
@@ -313,7 +312,7 @@ class Planner:
     def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int, budget_bytes: int | None = None,
                     ) -> tuple[Plan, list]:
         """Plan with the executor's vertical groups merged into ops and its horizontal candidates offered
-        as fusion options, decided in one solve (then `with_options_decided`: formed where the simulator says
+        as fusion options, decided in one solve (`solvers.solve` ends with `with_options_decided`: formed where the simulator says
         the plan gets better; fusing independent ops makes their outputs live together, which is how
         memory-blind fusion inflates peaks). The formed ones are merged too, for lowering."""
         fusible = [self.target.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
@@ -390,9 +389,8 @@ class Planner:
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
-                problem, items, budget_bytes, lambda b: with_options_decided(problem, b, solve(
-                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning),
-                    deterministic=self.settings.deterministic_planning)
+                problem, items, budget_bytes, lambda b: solve(
+                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
             if from_reference:

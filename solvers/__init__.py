@@ -2,7 +2,8 @@
 
 from .model.problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
 from .model.simulator import ScheduleError, SimResult, simulate
-from .search.strategy import BudgetInfeasibleError, PlanningTimeLimitError, Solution, solve
+from .search.strategy import BudgetInfeasibleError, PlanningTimeLimitError, Solution
+from .search.fusion_options import solve_with_options as solve  # fusion options decided too
 
 __all__ = [
     "BudgetInfeasibleError",

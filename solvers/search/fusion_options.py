@@ -213,10 +213,16 @@ def decided_stats(problem: Problem, budget: int | None, stats: SolveStats, decis
     return out
 
 
-def solve_with_options(problem: Problem, budget_bytes: int | None, **kwargs) -> Solution:
-    """`solve`, then the fusion options the solve left unformed decided on its plan (`with_options_decided`)."""
-    sol = solve(problem, budget_bytes, **kwargs)
-    return with_options_decided(problem, budget_bytes, sol, deterministic=kwargs.get("deterministic", False))
+def solve_with_options(
+    problem: Problem, budget_bytes: int | None, *, time_limit_s: float = 5.0, workers: int | None = None,
+    progress=False, deterministic: bool = False,
+) -> Solution:
+    """`strategy.solve`, then the fusion options it left unformed decided on its plan (`with_options_decided`);
+    this is `optsched.solvers.solve`. Without fusion options it is `strategy.solve` exactly; with them, deciding
+    takes up to WINDOW_S per backward option and CERTIFY_S beyond `time_limit_s`."""
+    sol = solve(problem, budget_bytes, time_limit_s=time_limit_s, workers=workers, progress=progress,
+                deterministic=deterministic)
+    return with_options_decided(problem, budget_bytes, sol, deterministic=deterministic)
 
 
 def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Solution, *, deterministic: bool = False,

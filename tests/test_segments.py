@@ -242,3 +242,24 @@ def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
     best, stats, _lowest = strategy._reported_lowest(again, low, None, nothing, default_schedule(again))
     assert best is not None and simulate(again, best).peak_bytes == low
     assert stats.method == "the lowest-peak plan an earlier error reported"
+
+
+def test_solve_freezes_the_callers_heap_only_while_it_runs_and_never_unfreezes_the_callers_own():
+    """solve leaves the caller's objects out of garbage collection while it runs (a captured graph's
+    millions of objects made every full collection slow), then gives them back; objects the caller froze
+    stay frozen."""
+    import gc
+
+    p = chain_training_problem(20, seed=1)
+    assert gc.get_freeze_count() == 0
+    solve(p, None, time_limit_s=1)
+    assert gc.get_freeze_count() == 0
+    kept = [[i] for i in range(10_000)]  # alive and frozen by the caller
+    gc.freeze()
+    try:
+        n = gc.get_freeze_count()
+        solve(p, None, time_limit_s=1)
+        assert gc.get_freeze_count() > n // 2  # some frozen objects may die meanwhile; unfreezing would give 0
+    finally:
+        gc.unfreeze()
+    assert len(kept) == 10_000

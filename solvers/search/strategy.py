@@ -7,10 +7,12 @@ plan over budget ever leaves this module.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..cpsat.order import solve_order
@@ -146,8 +148,24 @@ def solve(
     save/recompute(/offload) plan in that order, and "OPTIMAL" only when the plan meets it.
     `deterministic`: the same plan on every run (solvers/model/clock.py); the time limit counts work.
     """
-    with clock.deterministic(deterministic):
+    with clock.deterministic(deterministic), _caller_heap_frozen():
         return _solve(problem, budget_bytes, time_limit_s, workers, progress)
+
+
+@contextmanager
+def _caller_heap_frozen():
+    """The caller's objects are left out of garbage collection while we solve: a captured graph with its
+    fake tensors is millions of objects, and every full collection scanned them all (Llama 80 layers,
+    plan_offline at 40%: 56.6 s -> 40.9 s, the same plan). Not when the caller froze objects itself:
+    unfreezing would release theirs."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _solve(problem: Problem, budget_bytes: int | None, time_limit_s: float, workers: int | None, progress) -> Solution:

@@ -27,6 +27,8 @@ def build(n_layer: int = 6, n_embd: int = 256, n_head: int = 4, vocab_size: int 
         bos_token_id=0, eos_token_id=0,  # inside the small vocabulary
     )
     model = GPT2LMHeadModel(cfg)
+    # named: transformers warns once on an unnamed loss, and torch.compile cannot trace that warning
+    model.loss_type = "ForCausalLM"
     return GPT2Loss(model)
 
 

@@ -26,10 +26,11 @@ from ..cpsat.chain import BlockOption, ChainSegment, CopyLimits, choose_options
 from ..cpsat.common import memory_unit
 from ..cpsat.segment import free_ops, replan_segment
 from ..model import clock
-from ..model.problem import Problem, Schedule, ScheduleError
+from ..model.problem import Phase, Problem, Schedule, ScheduleError
 from ..model.simulator import SimResult, simulate
-from .blocks import Groups, find_groups, op_signature, segments
-from .segments import SEGMENT_S, better, offload_window, replace_run
+from .blocks import Groups, find_groups, segments
+from .heuristics import place_recomputes
+from .segments import SEGMENT_S, better, offload_window, replace_run, same_shape
 
 MIN_BLOCKS = 3  # fewer repeated blocks: copying one answer is as good
 KEPT_NOW = (0.75, 0.5, 1.25, 0.0, 1.5, 2.0)  # caps on a segment's kept bytes, tried in this order: shares of
@@ -272,9 +273,7 @@ def _applies(problem: Problem, sim: SimResult, groups: Groups, src: int, g: int,
 def _translate(problem: Problem, opt: _Option, old: list, fw_map: dict) -> list | None:
     """The option's steps as the segment `old`'s, when that runs the same op shapes as the segment the
     option was planned from (its steps through their place there); None otherwise."""
-    if len(old) != len(opt.old) or any(
-        r1 != r2 or op_signature(problem, o1) != op_signature(problem, o2) for (o1, r1), (o2, r2) in zip(opt.old, old)
-    ):
+    if not same_shape(problem, opt.old, old):
         return None
     where = {s: i for i, s in enumerate(opt.old)}
     out = []
@@ -289,19 +288,7 @@ def _translate(problem: Problem, opt: _Option, old: list, fw_map: dict) -> list 
 
 
 def _place(problem: Problem, fixed: list[tuple[int, bool]], recompute: set[int]) -> list[tuple[int, bool]]:
-    """`fixed` with each op of `recompute` run just before the first step that needs it (depth first)."""
-    done: set[int] = set()
-    out: list[tuple[int, bool]] = []
-
-    def need(o: int) -> None:
-        for t in problem.ops[o].inputs:
-            p = problem.tensors[t].producer
-            if p is not None and p in recompute and p not in done:
-                done.add(p)
-                need(p)
-                out.append((p, True))
-
-    for o, rc in fixed:
-        need(o)
-        out.append((o, rc))
-    return out
+    """`fixed` with each op of `recompute` run just before the first step that needs it (depth first); in the
+    backward a step is a recomputation exactly when its op is a forward op."""
+    bw = place_recomputes(problem, [], [o for o, _rc in fixed], recompute).bw_order
+    return [(o, problem.ops[o].phase is Phase.FW) for o in bw]

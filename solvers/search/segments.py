@@ -204,7 +204,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             continue
         ha, hb, _ = segs_now[h]
         target_old = steps[ha:hb]
-        if not _same_shape(problem, old_steps, target_old):
+        if not same_shape(problem, old_steps, target_old):
             continue
         fw_map = dict(zip(groups.members[g], groups.members[h]))
         mapped = _translate(solved, old_index, target_old, fw_map)
@@ -221,7 +221,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
     return sched, sim
 
 
-def _same_shape(problem: Problem, src_steps, dst_steps) -> bool:
+def same_shape(problem: Problem, src_steps, dst_steps) -> bool:
     """Whether two segments are the same sequence of op shapes (recomputations at the same places)."""
     return len(src_steps) == len(dst_steps) and all(
         r1 == r2 and op_signature(problem, o1) == op_signature(problem, o2)

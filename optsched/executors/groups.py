@@ -70,6 +70,7 @@ def build_group(jg: JointGraph, problem: Problem, members: list[int], nodes: lis
             env[n] = graph.node_copy(n, lambda a: env[a])
             return env[n]
         ph = graph.placeholder(f"in{len(inputs)}")
+        ph.target = ph.name  # the parameter fx names it by: a renamed placeholder must not alias another's
         ph.meta = dict(n.meta)
         inputs.append(n)
         env[n] = ph

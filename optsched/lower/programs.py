@@ -49,9 +49,21 @@ class _Program:
         self.resolve_missing = resolve_missing
 
     def placeholder(self, node: fx.Node) -> fx.Node:
-        new = self.graph.placeholder(node.name)
+        new = self.new_placeholder(node.name)
         new.meta = dict(node.meta)
         self.env[node] = new
+        return new
+
+    def new_placeholder(self, name: str) -> fx.Node:
+        """A placeholder whose argument name is its node name. fx renames a placeholder whose name is
+        taken (the backward makes its saved-tensor placeholders as values are first read, after other
+        nodes have their names) but keeps the requested name as its target, the generated function's
+        parameter, then binds `node_name = target` at the top of the body in placeholder order. With a
+        name taken, one such line can overwrite another placeholder's parameter before that one is read
+        (`getitem_7 = getitem; getitem_14 = getitem_7`): the second placeholder receives the first's
+        tensor. With target and name equal there are no such lines."""
+        new = self.graph.placeholder(name)
+        new.target = new.name
         return new
 
     def value(self, node: fx.Node) -> fx.Node:
@@ -105,7 +117,8 @@ class _Program:
         call = self.graph.call_function(group.kernel, args)
         call.meta["fusion_group"] = group  # what the kernel computes and writes, for readers of the program
         for i, out in enumerate(group.outputs):
-            item = self.graph.call_function(operator.getitem, (call, i))
+            # named after the value it stands for, as a node_copy would be (readable programs)
+            item = self.graph.create_node("call_function", operator.getitem, (call, i), name=out.name)
             item.meta = dict(out.meta)
             self.env[out] = item
         for member, dest in group.writes.items():
@@ -289,7 +302,7 @@ class _Backward:
 
     def _saved_placeholder(self, node: fx.Node, name: str) -> fx.Node:
         self.saved.append(node)
-        new = self.prog.graph.placeholder(name)
+        new = self.prog.new_placeholder(name)
         new.meta = dict(node.meta)
         self.placeholders.append(new)
         return new

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,13 +37,13 @@ from .capture.joint_graph import JointGraph, build_joint_graph
 from .capture.output_usage import OutputUsage
 from .costs.problem_builder import Built, build_problem, reuse_candidates
 from .costs.profiles import DeviceProfile, NodeCosts, get_profile
-from .costs.profiling import profile_nodes
+from .costs.profiling import profile_nodes, real_placeholders
 from .executors import get_executor
 from .executors.base import Executor
 from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
 from .passes.chunking import chunk, copy_graph, find_chains
-from .plans.cache import plan_path, save_or_warn
-from .plans.file_format import PlanFile, PlanMismatchError, load_plan
+from .plans.cache import find_plan_file, plan_path, save_or_warn
+from .plans.file_format import PlanFile, PlanMismatchError
 from .plans.plan import Plan
 from .plans.reuse import plan_from_file
 from .progress import LiveLine
@@ -130,10 +131,19 @@ class Planner:
         self.carried = carried or {}
         self.observed_usage = observed_usage
         self.costs = costs or self.measured_costs
+        self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
+
+    def hold_inputs(self, values: list) -> None:
+        """The real values the captured program's inputs stand for (parameters first): op timing reads
+        them in place instead of making copies. Held weakly, so a batch is not kept alive by its plan."""
+        self.caller_inputs = [weakref.ref(v) if isinstance(v, torch.Tensor) else (lambda v=v: v) for v in values]
 
     def measured_costs(self, gm: fx.GraphModule, jg: JointGraph) -> NodeCosts | None:
         t = self.target
-        return profile_nodes(gm, t.device, reuse_candidates(jg)) if t.measure else None
+        if not t.measure:
+            return None
+        real = real_placeholders(gm, [ref() for ref in self.caller_inputs])
+        return profile_nodes(gm, t.device, reuse_candidates(jg), real_inputs=real)
 
     def plan(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None = None) -> tuple[Plan, list]:
         """The plan for this graph and, per op of its problem, the node or fusion group it runs: from
@@ -143,8 +153,8 @@ class Planner:
         path = plan_path(self.settings.plan_spec, fp["hash"],
                          {**self.made_for(name), "chunk_counts": list(self.settings.chunk_counts)})
         pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
-        if pf is None and path is not None and path.exists():
-            pf = load_plan(path)
+        if pf is None and path is not None:  # plan=PATH: PATH, or the file beside it for this graph (plans.cache)
+            path, pf = find_plan_file(path, fp["hash"], cached=self.settings.plan_spec == "auto")
         if pf is not None:
             mismatch = pf.describe_mismatch(fp, **self.made_for(name))
             recorded = pf.data["made_for"].get("outputs")
@@ -218,7 +228,7 @@ class Planner:
         costs = self.costs(gm, jg)
         built = build_problem(
             jg, t.profile, name=name, measured=costs,
-            offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
+            offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
         )
         if jg.is_training and self.settings.chunk_counts != (1,) and find_chains(gm)[0]:
             plan, items = self._solve_chunked(gm, jg, built, costs, usage)
@@ -227,6 +237,10 @@ class Planner:
         if costs is not None and not costs.scratch_measured:
             plan.stats.notes.append("planned while another profiler was running: kernel scratch space was not measured "
                                     "(counted as 0) and no op writes into a dying input")
+        if costs is not None and costs.unmeasured:
+            first = next(iter(costs.unmeasured.items()))
+            plan.stats.notes.append(f"{len(costs.unmeasured)} op(s) could not run alone on made-up inputs and are timed "
+                                    f"by the roofline, e.g. {first[0]}: {first[1]}")
         return plan, items
 
     def _solve_chunked(
@@ -253,7 +267,8 @@ class Planner:
                 chunk(g, k)
                 jgk = build_joint_graph(g, jg.num_fwd_outputs)
                 built_k = build_problem(jgk, t.profile, name=built.problem.name, measured=self._chunked_costs(g, jgk, costs),
-                                        offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage)
+                                        offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
+                                        device=t.device)
             try:
                 plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
             except BudgetInfeasibleError as e:

@@ -110,6 +110,7 @@ class PlanningBackend:
             self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
             observed_usage=self.usage,
         )
+        self.planner.hold_inputs(list(example_inputs))
         return aot_autograd(**aot_hooks(self))(gm, example_inputs)
 
     @property

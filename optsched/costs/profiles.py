@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ class NodeCosts:
     workspace: dict[str, int]  # bytes allocated and freed inside the op, beyond its outputs
     reuse_ok: dict[str, bool]  # its out= form writes into a dying input without a full-size temporary
     scratch_measured: bool = True  # False when another profiler was running (workspace and reuse_ok then empty)
+    unmeasured: dict[str, str] = field(default_factory=dict)  # node name -> why it could not run alone (roofline time)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,17 @@ PROFILES: dict[str, DeviceProfile] = {
         DeviceProfile("h200", "cuda", 67e12, 989e12, 4.8e12, 4e-6, 55e9, 141 * 10**9),
     ]
 }
+
+
+COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
+"""The compute capability of the GPU each CUDA profile names: what SDPA's kernel choice
+(capture/sdpa_prediction.py) and the cuBLAS workspace size (costs/cuda_allocator.py) depend on. A CUDA
+profile missing here is treated as an sm80 part."""
+
+
+def compute_capability(profile: DeviceProfile) -> tuple[int, int]:
+    """`COMPUTE_CAPABILITY` of a CUDA profile, (8, 0) for one it does not list."""
+    return COMPUTE_CAPABILITY.get(profile.name.lower(), (8, 0))
 
 
 def get_profile(profile: str | DeviceProfile | None, device: torch.device | None = None) -> DeviceProfile:

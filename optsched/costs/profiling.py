@@ -1,16 +1,23 @@
-"""Run a captured graph once on the device: per-op time, kernel scratch space, and in-place out= forms.
+"""Run a captured graph's ops on the device, one at a time: per-op time, kernel scratch space, and
+in-place out= forms.
 
 Planning a CPU step with spec-sheet numbers misjudges what recomputation costs
 (attention and layer norm are far from the roofline there), and kernels allocate
 scratch memory no graph shows (a convolution's workspace, a dropout backward's
-temporaries). Running the graph on random inputs of its shapes costs about as much
-as a training step and gives both. Integer inputs are zeros, a valid index for
-every op we have seen.
+temporaries). Running each op on random inputs of its shapes gives both.
+
+Each op runs alone, with only its own inputs made for it and freed after it: users plan because
+the unplanned step does not fit, so planning must never hold more than one op's inputs, outputs and
+scratch beyond what the caller already holds (the parameters, passed in as `real_inputs` and read
+in place, never copied). Any plan holds at least that much while the op runs, so planning stays
+within every budget a plan can meet. Integer inputs are zeros, a valid index for every op we have
+seen; an op that fails on made-up inputs keeps the roofline's time (listed in `NodeCosts.unmeasured`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -25,64 +32,140 @@ _OUT = "optsched_out::"
 
 
 def profile_nodes(
-    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 2
+    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 2,
+    real_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> NodeCosts:
-    """Time every node (best of `repeat` runs after a warm-up) and, in one more run under the
-    allocation profiler, measure its scratch space; for each node in `reuse_inputs`, also run
-    its out= form into a copy of that input (a foreach op: its in-place twin on a copy of its first
-    list) and check it allocates no full-size temporary."""
+    """Time every op (best of `repeat` runs after a warm-up), each alone on inputs made for it, and in
+    one more pass under the allocation profiler measure its scratch space; for each node in
+    `reuse_inputs`, also run its out= form into a copy of that input (a foreach op: its in-place twin on
+    a copy of its first list) and check it allocates no full-size temporary. `real_inputs`: the
+    caller's tensors for placeholders (by name), read in place by ops that do not write them."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     times: dict[str, float] = {}
-    labelled = {"on": False}
-
-    class _Runner(fx.Interpreter):
-        def run_node(self, n: fx.Node):
-            if labelled["on"]:
-                with record_function(_OP + n.name):
-                    out = super().run_node(n)
-                if n.name in reuse_inputs:
-                    self._try_out_form(n)
-                return out
-            t0 = time.perf_counter()
-            out = super().run_node(n)
-            dt = time.perf_counter() - t0
-            times[n.name] = min(times.get(n.name, dt), dt)
-            return out
-
-        def _try_out_form(self, n: fx.Node) -> None:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            into = reuse_inputs[n.name]
-            if isinstance(into, list):  # a foreach op: its in-place twin on copies of the first list
-                dest = [self.env[x].clone() for x in into]
-                with record_function(_OUT + n.name):
-                    inplace_foreach(n.target)(dest, *args[1:], **kwargs)
-            else:
-                overload, out_name = out_variant(n.target)
-                dest = self.env[into].clone()
-                with record_function(_OUT + n.name):
-                    overload(*args, **{**kwargs, out_name: dest})
-            del dest
-
+    unmeasured: dict[str, str] = {}
     with unset_fake_temporarily(), torch.no_grad():
-        args = [random_like(p.meta.get("val"), device) for p in gm.graph.find_nodes(op="placeholder")]
-        runner = _Runner(gm)
-        for _ in range(repeat + 1):  # the first run warms caches and the allocator
-            runner.run(*args)
-        # the interpreter keeps a run's outputs in its env until the next run starts: freed inside
-        # the profiled run, blocks the profiler never saw allocated (c10 warns "Memory block of
-        # unknown size was allocated before the profiling started")
-        runner.env.clear()
+        inputs = _OpInputs(gm, device, real_inputs or {})
+        for n in nodes:
+            try:
+                times[n.name] = _time_op(n, inputs, repeat)
+            except Exception as e:  # noqa: BLE001 - made-up inputs an op rejects: the roofline times it
+                unmeasured[n.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if torch.autograd._profiler_enabled():
             # planning inside someone's profiling session (a measured first call): a profiler of our own would
             # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
-            return NodeCosts(times, {}, {}, scratch_measured=False)
-        labelled["on"] = True
+            return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured)
         with memory_profile() as prof:
-            runner.run(*args)
+            for n in nodes:
+                if n.name in times:
+                    _profiled_run(n, inputs, reuse_inputs.get(n.name))
     workspace, reuse_ok = _scratch(prof, reuse_inputs)
-    return NodeCosts(times, workspace, reuse_ok)
+    return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured)
 
+
+class _OpInputs:
+    """The values one op reads, made when it runs and dropped after it."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, real: Mapping[str, torch.Tensor]):
+        self.gm, self.device, self.real = gm, device, real
+
+    def args(self, n: fx.Node) -> tuple[tuple, dict, dict[fx.Node, object]]:
+        """`n`'s args and kwargs, and the value made for each input node."""
+        writes = _writes_inputs(n)
+        made = {x: self._value(x, writes) for x in n.all_input_nodes}
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda x: made[x])
+        return args, kwargs, made
+
+    def _value(self, x: fx.Node, writes: bool):
+        if x.op == "get_attr":
+            return _fetch_attr(self.gm, x.target)
+        real = None if writes else self._real(x)
+        return real if real is not None else _made(x.meta.get("val"), self.device)
+
+    def _real(self, x: fx.Node):
+        """The caller's tensor for a placeholder, or a view of one (a linear's `t(weight)`): no copy made."""
+        if x.op == "placeholder":
+            return self.real.get(x.name)
+        if x.op != "call_function" or not _is_view(x):
+            return None
+        bases = {b: self._real(b) for b in x.all_input_nodes}
+        if any(v is None for v in bases.values()):
+            return None
+        args, kwargs = fx.node.map_arg((x.args, x.kwargs), lambda b: bases[b])
+        return x.target(*args, **kwargs)
+
+
+def _made(v, device: torch.device):
+    """A tensor like fake value `v` (its strides and storage offset kept: views read their base's layout)."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_made(e, device) for e in v)
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.is_contiguous() and v.storage_offset() == 0:
+        return random_like(v, device)
+    base = random_like(torch.empty(v.untyped_storage().nbytes() // v.element_size(), dtype=v.dtype, device="meta"), device)
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
+
+
+def _is_view(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return (schema is not None and not schema.is_mutable and len(schema.returns) == 1
+            and schema.returns[0].alias_info is not None)
+
+
+def _writes_inputs(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is None or schema.is_mutable
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _time_op(n: fx.Node, inputs: _OpInputs, repeat: int) -> float:
+    """Best of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`, within
+    `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run."""
+    args, kwargs, _ = inputs.args(n)
+    n.target(*args, **kwargs)  # warms caches and the allocator (the result is dropped at once)
+    best, spent, runs = float("inf"), 0.0, 0
+    while runs < repeat or (spent < _SHORT_S and runs < _MAX_RUNS):
+        t0 = time.perf_counter()
+        out = n.target(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        del out
+        best, spent, runs = min(best, dt), spent + dt, runs + 1
+    return best
+
+
+_SHORT_S = 0.02
+_MAX_RUNS = 20
+
+
+def _profiled_run(n: fx.Node, inputs: _OpInputs, reuse: fx.Node | list[fx.Node] | None) -> None:
+    """One labelled run for the scratch measurement; its inputs are made outside the label."""
+    args, kwargs, made = inputs.args(n)
+    with record_function(_OP + n.name):
+        out = n.target(*args, **kwargs)
+    del out
+    if reuse is not None:
+        _try_out_form(n, args, kwargs, made, reuse)
+
+
+def _try_out_form(n: fx.Node, args: tuple, kwargs: dict, made: dict, into: fx.Node | list[fx.Node]) -> None:
+    if isinstance(into, list):  # a foreach op: its in-place twin on copies of the first list
+        dest = [t.clone() for t in args[0]]
+        with record_function(_OUT + n.name):
+            inplace_foreach(n.target)(dest, *args[1:], **kwargs)
+    else:
+        overload, out_name = out_variant(n.target)
+        dest = made[into].clone()
+        with record_function(_OUT + n.name):
+            overload(*args, **{**kwargs, out_name: dest})
+    del dest
 
 
 def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:
@@ -114,3 +197,21 @@ def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[di
         if reuse_ok[node_name]:  # its own temporaries count when it runs in that form
             workspace[node_name] = max(workspace.get(node_name, 0), got)
     return workspace, reuse_ok
+
+
+def real_placeholders(gm: fx.GraphModule, values: list) -> dict[str, torch.Tensor]:
+    """The caller's tensors by placeholder name, where `values` line up with `gm`'s primals one to one
+    (same count, shapes, strides and dtypes); else none, and every input is made up."""
+    primals = [p for p in gm.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    if len(primals) != len(values):
+        return {}
+    out = {}
+    for p, v in zip(primals, values):
+        fake = p.meta.get("val")
+        if not (isinstance(v, torch.Tensor) and isinstance(fake, torch.Tensor)):
+            continue
+        if v.shape != fake.shape or v.stride() != fake.stride() or v.dtype != fake.dtype or v.device.type != fake.device.type:
+            return {}
+        out[p.name] = v
+    return out
+

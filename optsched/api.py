@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import types
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -19,7 +20,7 @@ import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from .capture.backend import PlanningBackend
-from .budget import BudgetResolution, parse_budget, parse_planning_options
+from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_options
 from .capture.errors import capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
@@ -50,9 +51,10 @@ def _own_code(call: Callable) -> Callable:
     return types.FunctionType(code, trampoline.__globals__, "optsched_step", None, trampoline.__closure__)
 
 
-def _unwrap_errors(compiled: Callable) -> Callable:
-    """Dynamo wraps backend exceptions; surface ours (budget, bad input) as themselves."""
-    compiled = capturing(compiled)  # logging ignored while tracing; graph breaks as CaptureError
+def _unwrap_errors(compiled: Callable, eager: Callable | None = None) -> Callable:
+    """Dynamo wraps backend exceptions; surface ours (budget, bad input) as themselves. `eager`: the callable
+    compiled, run as written when the user's code raises while traced, so the user's exception is raised."""
+    compiled = capturing(compiled, eager)  # logging ignored while tracing; graph breaks as CaptureError
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
@@ -138,11 +140,14 @@ class Dispatcher:
             module.training if module is not None else None,
             _signature(args, kwargs),
             self.extra_key(args, kwargs),
+            grads_at_start(module, args, kwargs),
         )
         # what the caller was last seen doing with this program's outputs (output_usage): a new usage, a new plan
         return base, self.usage.get(base)
 
     def __call__(self, *args, **kwargs):
+        if self.resolution.needs_device:  # mem_budget="auto": the device's memory at the first call fixes the bytes
+            self.resolution.resolve_auto(self.module, args, kwargs)
         key = self.key(args, kwargs)
         entry = self.entries.get(key)
         if entry is None:
@@ -166,7 +171,7 @@ class Dispatcher:
         entry.backend = self._backend(entry, *key)
         fn = _own_code(call)
         compiled = torch.compile(fn, backend=_WeakBackend(entry.backend), fullgraph=True, dynamic=False)
-        entry.call = _unwrap_errors(compiled)
+        entry.call = _unwrap_errors(compiled, call)
         # Dynamo's cache on the code object refers back to the code (a cycle the garbage collector cannot see
         # through): emptied when the entry goes (dropped, or its module gone), or no program would ever be
         # freed. A backward still to run holds what it needs itself.
@@ -203,6 +208,7 @@ class Dispatcher:
 
         return PlanningBackend(
             self.settings, on_plan, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
+            grads_at_start=bool(base and base[-1]),
         )
 
     def copy_spec(self) -> _CopySpec:
@@ -225,6 +231,17 @@ class Dispatcher:
 
 _INSTALLED = ("_compiled_call_impl", "plan", "__reduce_ex__")  # what _install puts in an optimized module's __dict__
 _CONSTANTS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def grads_at_start(module: torch.nn.Module | None, args: tuple, kwargs: dict) -> bool:
+    """Whether the step starts with gradients it will accumulate into (`.grad` set on a parameter of the
+    module or on a leaf tensor argument): they are live through the whole step, and the backward's new
+    gradients are added to them after it returns. Part of the signature, so an accumulation step gets its
+    own plan (planned as if every gradient the step makes already had one: the worst case)."""
+    if module is not None and any(p.grad is not None for p in module.parameters()):
+        return True
+    leaves, _ = tree_flatten((args, kwargs))
+    return any(isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.grad is not None for a in leaves)
 
 
 def _signature(args: tuple, kwargs: dict) -> Hashable:
@@ -335,7 +352,10 @@ def optimize(
     mem_budget: peak bytes of everything on the device during forward+backward
     (parameters, buffers, inputs, activations, gradients, temporaries): an int of
     bytes, a string with a unit ("12GB", "512MiB", "1.5 GiB"), a percentage of the
-    unplanned peak ("60%"), or None (fastest plan, lowest peak among the fastest).
+    unplanned peak ("60%"), "auto" (CUDA only: the memory the device has free at the
+    first call, plus what the step's inputs already hold there, less a headroom of 5% of
+    the device, at least 256 MiB; see optsched.budget.auto_budget), or None (fastest
+    plan, lowest peak among the fastest).
     A percentage is resolved once, against the first training program planned, and
     means those bytes for every later program (eval, no_grad, other shapes); a
     forward-only program planned before any training program takes it of its own peak.
@@ -363,10 +383,15 @@ def optimize(
     it loads on CUDA, otherwise eager.
     plan: a plan file. If it exists and was made for this graph (fingerprint), budget,
     profile, executor and offload setting, it is used without solving; if it does not
-    exist, the plan is solved and saved there. "auto": a file in the plan cache
-    ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of these.
+    exist, the plan is solved and saved there. The same step at other input shapes (the same
+    ops, other sizes) has its own file beside it, named by its fingerprint (gpt.json,
+    gpt.3f9a0c12d4e5.json), read and written alike; a graph with other ops is a mismatch.
+    "auto": a file in the plan cache
+    ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of
+    these, at most 500 files and 1 GiB ($OPTSCHED_CACHE_MAX_FILES, $OPTSCHED_CACHE_MAX_BYTES), the least
+    recently used removed first.
     on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
-    (solve again and overwrite the file). A corrupted or edited file raises PlanFileError.
+    (solve again and overwrite the graph's file). A corrupted or edited file raises PlanFileError.
     deterministic: the same plan on every run, machine and rank for the same op costs (a
     device profile's, or a plan file's): CP-SAT single-threaded with a fixed seed, and every
     time limit counted as work rather than wall seconds (so on a slow or busy machine planning
@@ -381,7 +406,9 @@ def optimize(
     weight's gradient is summed chunk by chunk). An int: that many chunks (1: as captured), not a
     choice. `plan.summary()["chunks"]` says what was chosen.
     """
-    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s)
+    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
+    if budget.auto and not torch.cuda.is_available():
+        auto_device([])  # raises: "auto" needs a CUDA device, and says what to pass instead
     if on_mismatch not in ("error", "replan"):
         raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
     if plan is not None and not isinstance(plan, (str, os.PathLike)):
@@ -391,6 +418,7 @@ def optimize(
     check_plan_option(plan, stacklevel=3)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
+    fn_or_module = _unoptimized(fn_or_module)
 
     if deterministic not in (None, True, False):
         raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
@@ -408,6 +436,27 @@ def optimize(
     if example_inputs is not None:
         _plan_now(target, tuple(example_inputs))
     return target
+
+
+def _unoptimized(fn_or_module: Any) -> Any:
+    """What optimize() optimizes when given something optimize() returned: the original function (an
+    OptimizedFunction's `__wrapped__`; compiling the optimized one would trace optsched itself), or the
+    module (an optimized module's copy gets a new dispatcher in place of the old one), with a warning
+    saying so. Anything else as it is."""
+    if isinstance(fn_or_module, OptimizedFunction):
+        original = fn_or_module.__wrapped__
+        what = f"function {getattr(original, '__qualname__', original)!r}"
+    elif isinstance(fn_or_module, torch.nn.Module) and isinstance(fn_or_module.__dict__.get("_compiled_call_impl"), Dispatcher):
+        original = fn_or_module
+        what = f"module {type(original).__name__}"
+    else:
+        return fn_or_module
+    warnings.warn(
+        f"optimize() got a {what} that optimize() already returned: the original is optimized with these settings "
+        "(the earlier plans and settings are not reused; the earlier result keeps working as it was)",
+        UserWarning, stacklevel=3,
+    )
+    return original
 
 
 def _refuse_fsdp(module: torch.nn.Module) -> None:

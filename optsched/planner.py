@@ -123,6 +123,7 @@ class Planner:
         carried: dict[str, list[PlanFile]] | None = None,
         observed_usage: OutputUsage | None = None,
         costs: Callable[[fx.GraphModule, JointGraph], NodeCosts | None] | None = None,
+        grads_at_start: bool = False,
     ):
         self.settings = settings
         self.target = target
@@ -131,6 +132,7 @@ class Planner:
         self.carried = carried or {}
         self.observed_usage = observed_usage
         self.costs = costs or self.measured_costs
+        self.grads_at_start = grads_at_start  # an accumulation step (api.grads_at_start)
         self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
 
     def hold_inputs(self, values: list) -> None:
@@ -154,7 +156,7 @@ class Planner:
                          {**self.made_for(name), "chunk_counts": list(self.settings.chunk_counts)})
         pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
         if pf is None and path is not None:  # plan=PATH: PATH, or the file beside it for this graph (plans.cache)
-            path, pf = find_plan_file(path, fp["hash"], cached=self.settings.plan_spec == "auto")
+            path, pf = find_plan_file(path, fp, cached=self.settings.plan_spec == "auto")
         if pf is not None:
             mismatch = pf.describe_mismatch(fp, **self.made_for(name))
             recorded = pf.data["made_for"].get("outputs")
@@ -197,7 +199,7 @@ class Planner:
         t = self.target
         return {"kind": "training" if name == "training step" else "inference", "budget": str(self.settings.budget),
                 "device_profile": t.profile.name, "executor": t.executor.name, "offload": t.offload,
-                **self.resolution.made_for()}
+                "grads_at_start": self.grads_at_start and name == "training step", **self.resolution.made_for()}
 
     def fuse(
         self, jg: JointGraph, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None, *,
@@ -229,6 +231,7 @@ class Planner:
         built = build_problem(
             jg, t.profile, name=name, measured=costs,
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
+            grads_at_start=self.grads_at_start,
         )
         if jg.is_training and self.settings.chunk_counts != (1,) and find_chains(gm)[0]:
             plan, items = self._solve_chunked(gm, jg, built, costs, usage)
@@ -268,7 +271,7 @@ class Planner:
                 jgk = build_joint_graph(g, jg.num_fwd_outputs)
                 built_k = build_problem(jgk, t.profile, name=built.problem.name, measured=self._chunked_costs(g, jgk, costs),
                                         offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
-                                        device=t.device)
+                                        device=t.device, grads_at_start=self.grads_at_start)
             try:
                 plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
             except BudgetInfeasibleError as e:
@@ -427,6 +430,7 @@ class Planner:
             graph_nodes=graph_nodes,
             executor=t.executor.name,
             fusion_groups=[[n.name for n in it.nodes] for it in items or [] if isinstance(it, Group)],
+            grads_at_start=self.grads_at_start and problem.has_backward,
         )
 
     def _carried_plan(self, fp: dict, name: str) -> PlanFile | None:

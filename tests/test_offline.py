@@ -34,8 +34,14 @@ def _tiny_batch():
     return llama.make_batch(TINY, 2, 64)
 
 
+def _h100_batch():
+    # an H100 step holds two 32 MiB cuBLAS workspaces (costs/cuda_allocator.py): activations large enough
+    # that a share of the peak is still a budget some plan meets
+    return llama.make_batch(TINY, 8, 256)
+
+
 def test_small_llama_plan_for_h100_and_its_file(tmp_path):
-    plan = plan_offline(_tiny_llama, _tiny_batch, "85%", device_profile="h100", time_limit_s=1)
+    plan = plan_offline(_tiny_llama, _h100_batch, "85%", device_profile="h100", time_limit_s=1)
     assert plan.kind == "training" and plan.problem.has_backward
     assert plan.profile.name == "h100" and plan.timing == "roofline"
     assert plan.offload_allowed  # a CUDA profile: offloading is on by default
@@ -281,12 +287,12 @@ def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
     path = tmp_path / "h100.json"
 
     def batch():
-        return llama.make_batch(ONE_LAYER, 2, 64)
+        return llama.make_batch(ONE_LAYER, 8, 256)  # see _h100_batch
 
-    plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, "85%", device_profile="h100", offload=False,
+    plan_offline(lambda: llama.LLaMA(ONE_LAYER), batch, None, device_profile="h100", offload=False,
                  time_limit_s=1).save(path)
     with pytest.raises(optsched.PlanMismatchError, match="_scaled_dot_product_cudnn_attention"):
-        optsched.optimize(llama.LLaMA(ONE_LAYER), "85%", example_inputs=batch(), device_profile="h100",
+        optsched.optimize(llama.LLaMA(ONE_LAYER), None, example_inputs=batch(), device_profile="h100",
                           offload=False, plan=path)
 
 
@@ -296,7 +302,13 @@ def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
     is a prediction (optsched.capture.sdpa_prediction.predict_sdpa_backend); a wrong one fails here by naming the
     attention node."""
     path = tmp_path / "h100.json"
-    factory, batch = _gpt_factory(torch.bfloat16)
+    # activations well above the step's two 32 MiB cuBLAS workspaces, so that 70% of the peak is a budget
+    factory, _ = _gpt_factory(torch.bfloat16, n_layer=2, n_embd=512, n_head=8, vocab_size=1000, block_size=512)
+    cfg = gpt.GPTConfig(n_layer=2, n_embd=512, n_head=8, vocab_size=1000, block_size=512)
+
+    def batch():
+        return gpt.make_batch(cfg, 8, 512)
+
     offline = plan_offline(factory, batch, "70%", device_profile="h100", time_limit_s=5)
     offline.save(path)
     torch.manual_seed(0)

@@ -93,8 +93,10 @@ class PlanningBackend:
         on_usage: Callable[[OutputUsage, OutputUsage], None] | None = None,
         resolution: BudgetResolution | None = None,
         carried: dict[str, list[PlanFile]] | None = None,
+        grads_at_start: bool = False,
     ):
         self.settings = settings
+        self.grads_at_start = grads_at_start  # an accumulation step: gradients live from the start (api.grads_at_start)
         self.on_plan = on_plan
         self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
         self.carried = carried or {}
@@ -108,7 +110,7 @@ class PlanningBackend:
         target = Target.for_device(self.settings, device_of(example_inputs) or torch.device("cpu"))
         self.planner = Planner(
             self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
-            observed_usage=self.usage,
+            observed_usage=self.usage, grads_at_start=self.grads_at_start,
         )
         self.planner.hold_inputs(list(example_inputs))
         return aot_autograd(**aot_hooks(self))(gm, example_inputs)

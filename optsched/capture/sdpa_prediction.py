@@ -14,15 +14,29 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..costs.profiles import DeviceProfile
+from ..costs.profiles import DeviceProfile, compute_capability
 
-__all__ = ["CudaAttention", "predict_sdpa_backend"]
+__all__ = ["CudaAttention", "host_outputs", "predict_sdpa_backend"]
 
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _HALF = (torch.float16, torch.bfloat16)
-# compute capability of the GPU a profile names (other CUDA profiles: treated as an sm80 part)
-_SM = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
+
+
+# Memory-efficient attention with dropout returns its philox seed and offset (outputs 2 and 3) as host
+# tensors (mem_eff attention.cu, `_efficient_attention_forward`: at::scalar_tensor(..., at::dtype(at::kLong))
+# outside CUDA-graph capture). The fake kernels (torch/_meta_registrations.py) make them on the inputs'
+# device, so the graph shows them on the GPU. Every other seed/offset output is a GPU tensor:
+# flash attention's rng_state (2 x uint64) and its unused offset, cuDNN attention's seed and offset,
+# memory-efficient attention's without dropout (at::empty({}, ..., device)).
+_HOST_SEED_OFFSET = {"_scaled_dot_product_efficient_attention": (2, 3), "_efficient_attention_forward": (2, 3)}
+
+
+def host_outputs(op_name: str, dropout_p: float) -> tuple[int, ...]:
+    """Which outputs of the attention op `op_name` (an aten overload packet name) its CUDA kernel returns
+    as host tensors, though the captured graph shows them on the device: none but memory-efficient
+    attention's philox seed and offset with dropout (see `_HOST_SEED_OFFSET`). They take no GPU memory."""
+    return _HOST_SEED_OFFSET.get(op_name, ()) if dropout_p > 0.0 else ()
 
 
 def _env_true(name: str) -> bool:
@@ -83,7 +97,7 @@ def predict_sdpa_backend(profile: DeviceProfile, q, k, v, attn_mask=None, dropou
 
 def _backend_order(profile: DeviceProfile) -> tuple[str, ...]:
     """PyTorch's priority order on the profile's GPU (see `predict_sdpa_backend`)."""
-    sm = _SM.get(profile.name.lower(), (8, 0))
+    sm = compute_capability(profile)
     cudnn_first = sm[0] in (9, 10) and not _env_true("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     return ("cudnn", "flash", "efficient", "math") if cudnn_first else ("flash", "efficient", "math", "cudnn")
 

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from .profiles import DeviceProfile, NodeCosts, node_flops, node_time
+from .cuda_allocator import (
+    CUBLAS_OPS, CUBLASLT_OPS, AllocatorConfig, ThreadUse, addmm_uses_cublaslt, allocated_bytes, persistent_allocations,
+)
+from .profiles import DeviceProfile, NodeCosts, compute_capability, node_flops, node_time
 from ..lower.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
-from ..capture.joint_graph import JointGraph
+from ..capture.joint_graph import JointGraph, Storage
+from ..capture.sdpa_prediction import host_outputs
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..capture.output_usage import OutputUsage, tangent_outputs
 from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
@@ -255,6 +260,8 @@ def build_problem(
     offload: bool = False,
     host_budget_bytes: int | None = None,
     usage: OutputUsage | None = None,
+    device: torch.device | str | None = None,
+    grads_at_start: bool = False,
 ) -> Built:
     """Ops in program order (forward, then backward).
 
@@ -265,14 +272,29 @@ def build_problem(
     `offload`: activations may go to host memory at the profile's host bandwidth.
     `usage`: which forward outputs the caller differentiates and holds through the backward
     (training only; None: all of them, as the program alone would suggest).
+    `grads_at_start`: the step accumulates into gradients that exist when it starts (see `_grads_at_start`).
+    `device`: where the program runs (the planner's target device; "meta" for an offline capture,
+    which runs on the profile's device; None: the device of the graph's tensors). On CUDA, bytes are
+    what the caching allocator counts (see `CudaMemory`); elsewhere, the storages' sizes.
     """
+    cuda = CudaMemory.for_target(jg, profile, device)
     held, returned = caller_outputs(jg, usage)
     movable = offloadable_storages(jg) - returned  # the caller holds those until the forward ends
     tangent_bytes = _tangent_bytes(jg, usage)
-    tensors = [
-        Tensor(s.index, s.node.name, tangent_bytes.get(s.index, s.nbytes), s.kind, offloadable=s.index in movable)
-        for s in jg.storages
-    ]
+    known: set = set()
+    if cuda is None:
+        tensors = [
+            Tensor(s.index, s.node.name, tangent_bytes.get(s.index, s.nbytes), s.kind, offloadable=s.index in movable)
+            for s in jg.storages
+        ]
+    else:
+        host, known = cuda.host_storages(jg), storage_keys(jg)
+        tensors = [
+            Tensor(s.index, s.node.name,
+                   cuda.count(tangent_bytes[s.index]) if s.index in tangent_bytes else cuda.storage_bytes(jg, s, host),
+                   s.kind, offloadable=s.index in movable)
+            for s in jg.storages
+        ]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
     order = [n for n in jg.compute if jg.phase[n] is Phase.FW] + [n for n in jg.compute if jg.phase[n] is Phase.BW]
@@ -293,19 +315,34 @@ def build_problem(
                 recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
                 reuse=_reuse(jg, node, outs) if measured and measured.reuse_ok.get(node.name) else (),
                 reuse_all=is_foreach_reuse(node),
-                workspace_bytes=measured.workspace.get(node.name, 0) if measured else 0,
+                workspace_bytes=(measured.workspace.get(node.name, 0) if measured else 0)
+                + (cuda.unread_output_bytes(jg, node, known) if cuda is not None else 0),
             )
         )
         nodes.append(node)
     ops, tensors = order_writes(jg, nodes, ops, tensors)
-    caller = caller_loss_bytes(jg, usage)
+    caller = caller_loss_bytes(jg, usage, count=cuda.count if cuda is not None else None)
     if caller:
         tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False)]
+    if cuda is not None:  # the cuBLAS workspaces: allocated once, kept; counted for the whole step
+        tensors = tensors + [Tensor(len(tensors) + i, w.name, w.bytes, TensorKind.INPUT, offloadable=False)
+                             for i, w in enumerate(cuda.workspaces(jg))]
+    if grads_at_start and jg.is_training:  # an accumulation step (api.grads_at_start)
+        tensors = tensors + _grads_at_start(jg, tensors)
     problem = Problem(
         ops, tensors, frozenset(held), returned=frozenset(returned), name=name,
         host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,
     )
     return Built(problem, nodes)
+
+
+def _grads_at_start(jg: JointGraph, tensors: list[Tensor]) -> list[Tensor]:
+    """The gradients a step that accumulates starts with: one of each gradient the backward makes, held
+    by the parameters the whole step (the autograd engine adds the new ones into them in place after the
+    backward returns, so both sets are live at its end)."""
+    made = sorted({s for o in jg.bw_outputs if isinstance(o, fx.Node) for s in jg.node_storages(o)})
+    return [Tensor(len(tensors) + i, f"{tensors[s].name}.grad_at_start", tensors[s].bytes, TensorKind.INPUT, offloadable=False)
+            for i, s in enumerate(made)]
 
 
 def caller_outputs(jg: JointGraph, usage: OutputUsage | None) -> tuple[set[int], set[int]]:
@@ -336,16 +373,176 @@ def _tangent_bytes(jg: JointGraph, usage: OutputUsage | None) -> dict[int, int]:
     return out
 
 
-def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None) -> int:
+def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None, count=None) -> int:
     """An estimate of what the caller holds between our forward and backward while it computes a loss
     from non-scalar outputs it differentiates, besides the gradient it hands us: two intermediates of each
     one's size (cross-entropy keeps its log-softmax while its backward makes the gradient that goes into it;
-    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here."""
+    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here.
+    `count`: the bytes an allocation of n bytes takes (None: n)."""
     if usage is None or not jg.is_training:
         return 0
     total = 0
     for i, o in enumerate(jg.fw_outputs):
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
-            total += 2 * v.numel() * v.element_size()
+            n = v.numel() * v.element_size()
+            total += 2 * (count(n) if count is not None else n)
     return total
+
+
+# --------------------------------------------------------------------------- the CUDA memory contract
+
+
+def _packet(node: fx.Node) -> str:
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """How the CUDA caching allocator counts a program's memory (costs/cuda_allocator.py has the rules):
+
+    * every storage takes `allocated_bytes(nbytes)`: 512-byte blocks, 0 for an empty storage, a whole
+      2 MiB-rounded segment for large ones the allocator does not split;
+    * only device storages count: on a CUDA capture, tensors on the GPU (a host constant or a CPU scalar
+      input takes no GPU memory); in an offline capture, whose fake CPU tensors stand for the GPU's, every
+      tensor. Memory-efficient attention's seed and offset with dropout are host tensors either way
+      (`sdpa_prediction.host_outputs`);
+    * outputs of an op no one reads (a kernel's extra outputs, e.g. attention's logsumexp in a forward-only
+      program) are allocated by the kernel and dropped after its step: scratch space of that op;
+    * the cuBLAS (and cuBLASLt) workspaces of the threads that call cuBLAS are storages of the whole step:
+      allocated at the first such call and kept for the process's life, they exist before every step but
+      the first (and in the first, counting them from its start is the conservative choice).
+
+    `device_types`: the fake-tensor devices that stand for GPU storages. `capability`: the GPU's compute
+    capability, which sizes the cuBLAS workspace.
+    """
+
+    config: AllocatorConfig
+    capability: tuple[int, int]
+    device_types: frozenset[str]
+
+    @classmethod
+    def for_target(cls, jg: JointGraph, profile: DeviceProfile, device: torch.device | str | None) -> CudaMemory | None:
+        """The CUDA memory model of a program planned for `device` (see `build_problem`), or None when it
+        does not run on CUDA (bytes are then the storages' own sizes)."""
+        dev = torch.device(device) if device is not None else _graph_device(jg)
+        if dev.type == "cuda":
+            capability = (tuple(torch.cuda.get_device_capability(dev)) if torch.cuda.is_available()
+                          else compute_capability(profile))
+            return cls(AllocatorConfig.from_env(), capability, frozenset({"cuda"}))
+        if dev.type == "meta" and profile.device_type == "cuda":  # an offline capture for a GPU profile
+            return cls(AllocatorConfig.from_env(), compute_capability(profile), frozenset({"cpu", "cuda", "meta"}))
+        return None
+
+    def count(self, nbytes: int) -> int:
+        return allocated_bytes(nbytes, self.config)
+
+    def on_device(self, v) -> bool:
+        return not isinstance(v, torch.Tensor) or v.device.type in self.device_types
+
+    def storage_bytes(self, jg: JointGraph, s: Storage, host: set[int]) -> int:
+        if s.index in host or not self.on_device(_storage_value(jg, s)):
+            return 0
+        return self.count(s.nbytes)
+
+    def host_storages(self, jg: JointGraph) -> set[int]:
+        """Storages the graph shows on the device that the CUDA kernel makes on the host."""
+        out: set[int] = set()
+        for node in jg.compute:
+            idx = _host_outputs(node)
+            for g in jg.getitems.get(node, []):
+                if g.args[1] in idx and g in jg.storage_of:
+                    out.add(jg.storage_of[g])
+        return out
+
+    def unread_output_bytes(self, jg: JointGraph, node: fx.Node, known: set) -> int:
+        """Bytes of the new tensors `node` returns that no getitem reads: allocated by its kernel, freed
+        once its result is dropped. `known`: the graph's storages (`storage_keys`), which are not new."""
+        val = node.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            return 0
+        read = {g.args[1] for g in jg.getitems.get(node, [])}
+        host = _host_outputs(node)
+        total = 0
+        for i, v in enumerate(val):
+            if i in read or i in host or not isinstance(v, torch.Tensor) or not self.on_device(v):
+                continue
+            if StorageWeakRef(v.untyped_storage()) in known:
+                continue  # an alias of a value the graph holds, not a new allocation
+            total += self.count(v.untyped_storage().nbytes())
+        return total
+
+    def workspaces(self, jg: JointGraph) -> list:
+        """The cuBLAS / cuBLASLt workspaces the program's threads allocate (cuda_allocator.persistent_allocations):
+        the forward's on the caller's thread; the backward's on the autograd engine's device thread, which
+        also runs forward matmuls the plan recomputes there."""
+        lt_gemms = _prefers_cublaslt()
+        lt_addmm = addmm_uses_cublaslt()
+        use = {"forward": [False, False], "backward": [False, False]}
+        for node in jg.compute:
+            name = _packet(node)
+            if name not in CUBLAS_OPS:
+                continue
+            lt = lt_gemms or name in CUBLASLT_OPS or (name == "addmm" and lt_addmm and _has_vector_bias(node))
+            phases = ["forward"] if jg.phase[node] is Phase.FW else ["backward"]
+            if jg.phase[node] is Phase.FW and jg.is_training and is_recomputable(node):
+                phases.append("backward")
+            for p in phases:
+                use[p][0] = True
+                use[p][1] = use[p][1] or lt
+        threads = {k: ThreadUse(*v) for k, v in use.items()}
+        return persistent_allocations(self.capability, threads, config=self.config)
+
+
+def _host_outputs(node: fx.Node) -> tuple[int, ...]:
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return ()
+    return host_outputs(_packet(node), _dropout_p(node))
+
+
+def _graph_device(jg: JointGraph) -> torch.device:
+    """The GPU the graph's tensors are on, else the CPU."""
+    for s in jg.storages:
+        v = s.node.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            return v.device
+    return torch.device("cpu")
+
+
+def _storage_value(jg: JointGraph, s: Storage):
+    """The tensor the storage's first holder has (a get_attr constant: the module's attribute)."""
+    v = s.node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v
+    if s.node.op == "get_attr":
+        obj = jg.gm
+        for part in str(s.node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
+    return None
+
+
+def storage_keys(jg: JointGraph) -> set:
+    """The graph's storages, as StorageWeakRefs of their first holders' values."""
+    keys = set()
+    for s in jg.storages:
+        v = _storage_value(jg, s)
+        if isinstance(v, torch.Tensor):
+            keys.add(StorageWeakRef(v.untyped_storage()))
+    return keys
+
+
+def _has_vector_bias(node: fx.Node) -> bool:
+    """addmm(bias, a, b) with a 1-D bias: the cuBLASLt `gemm_and_bias` path (Blas.cpp, addmm_out_cuda_impl)."""
+    bias = node.args[0] if node.args else None
+    v = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.dim() == 1
+
+
+def _prefers_cublaslt() -> bool:
+    """Every matmul takes the cuBLASLt path (torch.backends.cuda.preferred_blas_library, TORCH_BLAS_PREFER_CUBLASLT)."""
+    backend = getattr(torch._C, "_BlasBackend", None)
+    try:
+        return backend is not None and torch.backends.cuda.preferred_blas_library() == backend.Cublaslt
+    except (RuntimeError, AttributeError):
+        return False

@@ -4,7 +4,10 @@ A plan file is JSON: a schema version, what the plan decided (order, fusion grou
 recomputations, offloads), what it was made for (graph fingerprint, budget, device
 profile, executor, per-op costs), what it predicts (summary, timeline) and how the
 solver did. A checksum over the content turns corruption and hand edits into a clear
-error instead of a wrong program. Writes are atomic (a temporary file, then a rename).
+error instead of a wrong program. Writes are atomic (a temporary file, then a rename); the
+temporary file's name says which process on which machine writes it (`.NAME.PID@HOST.XXXXXXXX.tmp`),
+so the temporary files of writers that were killed are removed at the next write of that file
+(`remove_stale_temps`: their process is gone, or they are older than an hour), never a live one's.
 
 The contents are typed in `plans.schema`; `validate` checks every nested field against it.
 Where plan files go (the plan cache, writability probes, saves that warn) is `plans.cache`.
@@ -15,7 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +79,7 @@ class PlanFile:
 
 # made_for fields files written before them lack, as those files were made: a percentage budget was
 # then always a share of the program's own unplanned peak
-_MADE_FOR_BEFORE = {"budget_from": "this program"}
+_MADE_FOR_BEFORE = {"budget_from": "this program", "grads_at_start": False}
 
 
 def node_difference(planned: list, current: list) -> str:
@@ -102,16 +108,76 @@ def seal(data: dict) -> dict:
     return data
 
 
+STALE_TEMP_S = 3600.0  # a writer's temporary file this old is a killed writer's: a plan is written in well under a second
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32]
+
+
+def _temp_prefix(name: str) -> str:
+    """`.NAME.PID@HOST.`: mkstemp adds 8 random characters and `.tmp`. A name too long for that keeps the
+    plain `.NAME.` (its temporary files are then removed only once stale by age)."""
+    tagged = f".{name}.{os.getpid()}@{_host()}."
+    return tagged if len(tagged) <= 200 else f".{name}."
+
+
+def _temp_pattern(names: str) -> re.Pattern:
+    """Temporary files of `write_plan_file` for the files whose names match the regular expression `names`."""
+    return re.compile(rf"\.(?:{names})\.(?:(?P<pid>[0-9]+)@(?P<host>[A-Za-z0-9-]*)\.)?[a-z0-9_]{{8}}\.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temps(folder: str | os.PathLike, name: str | re.Pattern, *, max_age_s: float = STALE_TEMP_S) -> int:
+    """Remove the temporary files killed writers left in `folder` for the plan file `name` (or for every file
+    whose name matches the pattern `name`): those whose writer (the pid in the temporary file's name, on this
+    machine) is gone, and those older than `max_age_s`.
+    A live writer's file is never removed. Returns how many were removed; errors are ignored (a
+    folder we cannot list or a file we cannot remove costs nothing but disk)."""
+    names = name.pattern if isinstance(name, re.Pattern) else re.escape(name)
+    pattern, host, now, removed = _temp_pattern(names), _host(), time.time(), 0
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+            writer_gone = m["pid"] is not None and m["host"] == host and not _pid_alive(int(m["pid"]))
+            if writer_gone or age > max_age_s:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def write_plan_file(data: dict, path: str | os.PathLike) -> Path:
-    """Write sealed plan data atomically: readers see the old file or the new one, never half of one."""
+    """Write sealed plan data atomically: readers see the old file or the new one, never half of one.
+    Temporary files that killed writers of this file left beside it are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temps(path.parent, path.name)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a plan file is an ordinary file
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
@@ -133,9 +199,16 @@ def load_plan(path: str | os.PathLike) -> PlanFile:
     """Read and validate a plan file. Raises PlanFileError saying what is wrong with it."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanFileError(
+            f"{path} is not a plan file: not UTF-8 JSON (byte {e.start} is {raw[e.start]:#04x}); "
+            "plan files are the JSON that Plan.save, optimize(plan=...) and `optsched plan` write"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

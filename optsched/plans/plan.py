@@ -53,6 +53,8 @@ SUMMARY_KEYS = {
     "timing": "'measured' (op times measured on the device) or 'roofline' (the profile's cost model)",
     "output_usage": "what the plan assumes the caller does with each forward output: 'g' a gradient flows into it, "
     "'h' it is held through the backward, '-' not (e.g. 'gh,--' for a loss used and logits dropped); None forward-only",
+    "grads_at_start": "the step starts with gradients it accumulates into (a later micro-batch): planned with them "
+    "live the whole step",
     "chunks": "per LM head + cross-entropy chain (passes/chunking.py), the number of token chunks it runs in "
     "(1: as captured); empty when there is none or chunking is off",
 }
@@ -81,6 +83,7 @@ class Plan:
     output_usage: str | None = None  # OutputUsage.describe() of the training program's outputs
     chunks: dict[str, int] = field(default_factory=dict)  # chain name -> chunk count (passes/chunking.py)
     chunk_trials: list[dict] = field(default_factory=list)  # per chunk count tried: fits, peak, time
+    grads_at_start: bool = False  # an accumulation step: the gradients it adds into are live from its start
 
     @property
     def kind(self) -> str:
@@ -149,6 +152,7 @@ class Plan:
             "timing": self.timing,
             "output_usage": self.output_usage,
             "chunks": dict(self.chunks),
+            "grads_at_start": self.grads_at_start,
         }
         assert set(out) == set(SUMMARY_KEYS)
         return out
@@ -176,6 +180,7 @@ class Plan:
                 "profile": self.profile.to_dict(),
                 "timing": self.timing,
                 "outputs": self.output_usage,
+                "grads_at_start": self.grads_at_start,
             },
             "decisions": {
                 "ops": [o.name for o in p.ops],

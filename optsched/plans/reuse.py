@@ -37,6 +37,7 @@ def plan_from_file(
     made_for, decisions = d["made_for"], d["decisions"]
     built = build_problem(
         jg, profile, name=name, offload=offload, host_budget_bytes=made_for.get("host_budget_bytes"), usage=usage,
+        grads_at_start=bool(made_for.get("grads_at_start", False)),
     )
     node_id = {n.name: i for i, n in enumerate(built.nodes)}
     try:
@@ -68,6 +69,7 @@ def plan_from_file(
         lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=profile, timing=made_for["timing"],
         graph_nodes=len(gm.graph.nodes), executor=made_for["executor"], fusion_groups=decisions["fusion_groups"],
         fingerprint=pf.fingerprint, offload_allowed=made_for["offload"], output_usage=made_for.get("outputs"),
+        grads_at_start=bool(made_for.get("grads_at_start", False)),
     )
     return plan, items
 

@@ -85,6 +85,7 @@ class MadeFor:
     budget_resolved_bytes: int | None = None
     budget_reference: BudgetReference | None = None
     outputs: str | None = None
+    grads_at_start: bool = False  # written since accumulation steps are planned apart
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -242,14 +242,17 @@ def measure_training_step(call: Callable, module: torch.nn.Module, inputs: tuple
     for p in module.parameters():
         p.grad = None
     gc.collect()
-    start = live_bytes(module, inputs)
+    device = device_of([*module.parameters(), *inputs]) or torch.device("cpu")
+    # on CUDA what the allocator counts now (blocks rounded, cuBLAS workspaces of earlier steps included),
+    # as a plan's peak counts it; on CPU the storages' bytes, which is what its allocator counts
+    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else live_bytes(module, inputs)
 
     def step() -> torch.Tensor:
         loss = call(*inputs)
         loss.backward()
         return loss.detach()
 
-    res = measure_peak(step, device_of([*module.parameters(), *inputs]) or torch.device("cpu"))
+    res = measure_peak(step, device)
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
     for p in module.parameters():
         p.grad = None

@@ -1,0 +1,86 @@
+"""The budget holds in training loops, not only in one clean step (issue 24): gradient accumulation, and the
+gradients every step of the loop produces equal eager's."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import optsched
+from optsched.costs.measure import live_bytes, measure_peak
+from optsched.measure import measure_training_step
+
+
+def _grad_bytes(module: torch.nn.Module) -> int:
+    return sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+
+
+def _accumulating_step(call, module: torch.nn.Module, micro_batches: list[tuple]) -> tuple[int, dict]:
+    """Peak bytes of the last micro-batch of an accumulation (absolute: parameters, inputs and the gradients
+    already accumulated counted), and the accumulated gradients."""
+    for p in module.parameters():
+        p.grad = None
+    for mb in micro_batches[:-1]:
+        call(*mb).backward()
+    gc.collect()
+    last = micro_batches[-1]
+    start = live_bytes(module, last) + _grad_bytes(module)
+    res = measure_peak(lambda: call(*last).backward())
+    grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+    for p in module.parameters():
+        p.grad = None
+    return start + res.peak_bytes, grads
+
+
+@pytest.fixture(scope="module")
+def gpt_accumulation():
+    from benchmarks.models import gpt
+
+    cfg = gpt.GPTConfig()
+    model = gpt.build(cfg)
+    batches = [gpt.make_batch(cfg, batch_size=8, seed=s) for s in range(3)]
+    torch.manual_seed(0)
+    eager_one = measure_training_step(model, model, batches[0])
+    eager_peak, eager_grads = _accumulating_step(model, model, batches)
+    opt = optsched.optimize(model, "60%", time_limit_s=10, deterministic=True)
+    opt_peak, opt_grads = _accumulating_step(opt, model, batches)
+    return opt, eager_one, eager_peak, eager_grads, opt_peak, opt_grads
+
+
+def test_accumulation_stays_within_the_budget_with_gradients_present(gpt_accumulation):
+    opt, eager_one, eager_peak, _eg, opt_peak, _og = gpt_accumulation
+    budget = opt.plan.budget_bytes
+    assert budget == int(0.6 * opt.plan.summary()["budget_reference_peak_bytes"])
+    assert eager_peak > eager_one.peak_bytes  # eager holds a second set of gradients: the plan must know it
+    assert opt.plan.summary()["grads_at_start"] is True  # the plan of the step that ran last
+    assert opt_peak <= budget
+    assert opt_peak == opt.plan.predicted_peak_bytes
+
+
+def test_accumulated_gradients_equal_eager(gpt_accumulation):
+    *_, eager_grads, _op, opt_grads = gpt_accumulation
+    for k, g in eager_grads.items():
+        torch.testing.assert_close(opt_grads[k], g, rtol=0, atol=0)
+
+
+def test_a_step_without_gradients_keeps_its_own_plan():
+    """After an accumulation the next optimizer step starts from None again: the first program is reused."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1), torch.nn.Flatten(0))
+    x = torch.randn(32, 64)
+
+    def loss(m):
+        return m(x).square().mean()  # the loss outside: the caller's usage is seen at the first backward
+
+    opt = optsched.optimize(model, None, time_limit_s=2)
+    for _ in range(2):  # the second step plans for the usage the first one saw
+        model.zero_grad(set_to_none=True)
+        loss(opt).backward()
+    first = opt.plan
+    assert first.summary()["grads_at_start"] is False
+    loss(opt).backward()  # accumulates
+    assert opt.plan is not first and opt.plan.summary()["grads_at_start"] is True
+    model.zero_grad(set_to_none=True)
+    loss(opt).backward()
+    assert opt.plan is first

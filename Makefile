@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-zoo bench clean lint notebooks
+.PHONY: setup demo test test-all test-zoo bench clean lint notebooks gpu-check
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ bench: setup
 	$(BIN)/python -m benchmarks.gpt_budget
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
 	$(BIN)/python -m benchmarks.zoo
+
+# on a CUDA machine, with its own python and torch (no venv is made): pytest -m gpu, the Llama headline, a step
+# that does not fit, offload vs recompute; writes benchmarks/results/gpu_check.json. E.g.
+# PYTHONPATH=/tmp/site:$PWD make gpu-check PY=python3
+gpu-check:
+	$(PY) -m benchmarks.gpu_check
 
 # notebooks/: every notebook at full size, outputs and plots written into the files (about 12 minutes)
 notebooks: setup

@@ -1,5 +1,5 @@
-"""Parse memory budgets (bytes, sizes with units, or a share of the unplanned peak) and the planning
-options `optimize` and `plan_offline` share."""
+"""Parse memory budgets (bytes, sizes with units, a share of the unplanned peak, or "auto": what a CUDA
+device has free at the first call) and the planning options `optimize` and `plan_offline` share."""
 
 from __future__ import annotations
 
@@ -16,19 +16,25 @@ _FORMS = (
     "(e.g. '12GB', '512MiB', '1.5 GiB'; KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2), "
     "a percentage of the unplanned peak (e.g. '60%'), or None for no budget"
 )
+_AUTO_FORM = "'auto' (on a CUDA device: the memory free there at the first call, see auto_budget)"
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$")
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Either absolute bytes or a fraction of the unplanned program's peak (None: no budget)."""
+    """Either absolute bytes or a fraction of the unplanned program's peak (None: no budget), or "auto":
+    bytes the device's free memory decides at the first call (`BudgetResolution.resolve_auto`)."""
 
     spec: object
     nbytes: int | None = None
     fraction: float | None = None
+    auto: bool = False
 
     def resolve(self, unplanned_peak_bytes: int) -> int | None:
+        if self.auto:
+            raise ValueError("mem_budget='auto' is resolved from the device's memory (BudgetResolution.resolve_auto), "
+                             "not from a program's peak")
         if self.fraction is not None:
             return int(self.fraction * unplanned_peak_bytes)
         return self.nbytes
@@ -37,13 +43,23 @@ class Budget:
         return "none" if self.spec is None else str(self.spec)
 
 
-def parse_budget(spec: object, name: str = "mem_budget", of: str = "the unplanned peak") -> Budget:
+def parse_budget(spec: object, name: str = "mem_budget", of: str = "the unplanned peak", *, auto: bool = False) -> Budget:
     """Parse a budget; raise ValueError naming the argument and the accepted forms.
 
-    `of`: what a percentage is a share of, for the error messages."""
+    `of`: what a percentage is a share of, for the error messages. `auto`: whether "auto" is accepted
+    (optimize()'s mem_budget only: it needs the device the step runs on)."""
     forms = _FORMS.replace("the unplanned peak", of)
+    if auto:
+        forms = forms.replace(", or None", f", {_AUTO_FORM}, or None")
     if spec is None:
         return Budget(None)
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        if auto:
+            return Budget("auto", auto=True)
+        raise ValueError(
+            f"{name}='auto' (the memory a CUDA device has free at the first call) is accepted only by optimize()'s "
+            f"mem_budget, which sees the device; here use {forms}"
+        )
     if isinstance(spec, bool):
         raise ValueError(f"{name}={spec!r} is not a budget; use {forms}")
     if isinstance(spec, int):
@@ -74,13 +90,14 @@ def parse_budget(spec: object, name: str = "mem_budget", of: str = "the unplanne
 
 
 def parse_planning_options(
-    mem_budget: object, host_budget: object, offload: object, executor: object, time_limit_s: object
+    mem_budget: object, host_budget: object, offload: object, executor: object, time_limit_s: object,
+    *, auto: bool = False,
 ) -> tuple[Budget, Budget]:
     """Check the options `optimize` and `plan_offline` share, with the same messages; returns the
-    device budget and the host budget."""
+    device budget and the host budget. `auto`: mem_budget="auto" is accepted (optimize(), not plan_offline)."""
     from .executors import NAMES as executors  # torch-free
 
-    budget = parse_budget(mem_budget)
+    budget = parse_budget(mem_budget, auto=auto)
     host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
     if offload is not None and not isinstance(offload, bool):
         raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
@@ -92,8 +109,119 @@ def parse_planning_options(
     return budget, host
 
 
+AUTO_HEADROOM_SHARE = 0.05  # "auto" leaves this share of the device's total memory unused...
+AUTO_HEADROOM_MIN = 256 * 2**20  # ...and at least this much: allocator fragmentation, cuBLAS/cuDNN workspaces
+AUTO_GRANULE = 64 * 2**20  # "auto" bytes are rounded down to a multiple of this (plan files key the bytes)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What "auto" is decided from: one CUDA device's memory as this process sees it at the first call."""
+
+    device: str
+    total: int  # the device's memory
+    free: int  # free on the device (torch.cuda.mem_get_info: what no process, this one included, has reserved)
+    reserved: int  # held by this process's caching allocator
+    allocated: int  # of which in tensors
+    limit: int | None = None  # the allocator's cap (torch.cuda.set_per_process_memory_fraction), None when uncapped
+
+    @classmethod
+    def of(cls, device) -> DeviceMemory:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(device)
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = get_fraction(device) if get_fraction is not None else 1.0
+        return cls(str(device), int(total), int(free), int(torch.cuda.memory_reserved(device)),
+                   int(torch.cuda.memory_allocated(device)), int(fraction * total) if fraction < 1.0 else None)
+
+
+def auto_budget(mem: DeviceMemory, resident_bytes: int) -> dict:
+    """The bytes mem_budget="auto" means, and how they were reached:
+
+        bytes = resident + available - headroom, rounded down to AUTO_GRANULE
+        available = free + (reserved - allocated)    (capped: min(free + reserved, limit) - allocated)
+        headroom = max(AUTO_HEADROOM_SHARE * total, AUTO_HEADROOM_MIN)
+
+    `resident_bytes`: the step's own inputs already on the device (parameters, buffers, input tensors):
+    a budget counts them (it bounds everything on the device during the step) and they are allocated
+    already, so they are added back. Everything else this process holds (optimizer state, other models,
+    tensors kept from earlier steps) stays out of the budget, and so does what other processes hold.
+    Raises ValueError when nothing would be left for the step beyond its inputs."""
+    mib = 2**20
+    obtainable = mem.free + mem.reserved  # what the caching allocator can hold in all
+    if mem.limit is not None:
+        obtainable = min(obtainable, mem.limit)
+    available = max(obtainable - mem.allocated, 0)
+    headroom = max(int(AUTO_HEADROOM_SHARE * mem.total), AUTO_HEADROOM_MIN)
+    nbytes = (resident_bytes + available - headroom) // AUTO_GRANULE * AUTO_GRANULE
+    detail = {
+        "device": mem.device, "total_bytes": mem.total, "free_bytes": mem.free, "reserved_bytes": mem.reserved,
+        "allocated_bytes": mem.allocated, "limit_bytes": mem.limit, "available_bytes": available,
+        "resident_bytes": resident_bytes, "headroom_bytes": headroom, "bytes": nbytes,
+    }
+    if nbytes <= resident_bytes:
+        raise ValueError(
+            f"mem_budget='auto': {mem.device} has {available / mib:.0f} MiB available to this process (free "
+            f"{mem.free / mib:.0f} MiB + cached {max(mem.reserved - mem.allocated, 0) / mib:.0f} MiB"
+            + (f", capped at {mem.limit / mib:.0f} MiB by set_per_process_memory_fraction" if mem.limit is not None else "")
+            + f"), less {headroom / mib:.0f} MiB headroom: nothing is left for the step beyond its inputs' "
+            f"{resident_bytes / mib:.0f} MiB. Free device memory, or pass a budget in bytes ('12GB')"
+        )
+    return detail
+
+
+def step_tensors(module, args: tuple, kwargs: dict) -> list:
+    """The tensors a call of an optimized callable starts from: the module's parameters and buffers, and
+    the tensors (and modules' parameters and buffers) among the call's arguments, with the gradients they
+    already have (an accumulation step is planned with them live: api.grads_at_start)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    out: list = []
+    for leaf in ([module] if module is not None else []) + tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.nn.Module):
+            out += [*leaf.parameters(), *leaf.buffers()]
+        elif isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+    return out + [t.grad for t in out if t.is_leaf and t.grad is not None]
+
+
+def resident_bytes(tensors: list, device) -> int:
+    """Bytes of the distinct storages among `tensors` on `device` (views and tied weights counted once); on
+    CUDA as the caching allocator counts them (whole 512-byte blocks)."""
+    block = 512 if device.type == "cuda" else 1
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device == device:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = -(-storage.nbytes() // block) * block
+    return sum(seen.values())
+
+
+def auto_device(tensors: list):
+    """The CUDA device "auto" reads: that of the step's first CUDA tensor (the current CUDA device when the
+    step has no tensors). ValueError when there is none: "auto" needs a CUDA device."""
+    import torch
+
+    devices = []
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
+        if t.device not in devices:
+            devices.append(t.device)
+    if not devices and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    on = f"the step's tensors are on {', '.join(map(str, devices))}" if devices else "CUDA is not available"
+    raise ValueError(
+        f"mem_budget='auto' means the memory a CUDA device has free at the first call, and {on}. On this device pass "
+        "a budget in bytes (e.g. 2_000_000_000 or '12GB') or a percentage of the unplanned peak (e.g. '60%')"
+    )
+
+
 THIS_PROGRAM = "this program"
 FIRST_TRAINING_PROGRAM = "the first training program"
+AUTO_SOURCE = "the device's free memory at the first call"
 
 
 class BudgetResolution:
@@ -103,12 +231,18 @@ class BudgetResolution:
     A percentage is resolved once, against the unplanned peak of the first training program planned
     (forward+backward); from then on it means those bytes for every program. A forward-only program
     planned before any training program takes the percentage of its own unplanned peak, and that
-    does not fix the bytes. Budgets in bytes (and no budget) need no resolving."""
+    does not fix the bytes. "auto" is resolved once, at the first call, before anything is captured
+    (`resolve_auto`), from the device's memory then; from then on it means those bytes for every
+    program. Budgets in bytes (and no budget) need no resolving."""
 
-    def __init__(self, budget: Budget, nbytes: int | None = None, reference: dict | None = None):
+    auto: dict | None = None  # how "auto" was resolved (auto_budget's figures); a class default for old pickles
+
+    def __init__(self, budget: Budget, nbytes: int | None = None, reference: dict | None = None,
+                 auto: dict | None = None):
         self.budget = budget
-        self.nbytes = nbytes  # the resolved bytes of a percentage, once a training program fixed them
-        self.reference = reference  # that program: {"unplanned_peak_bytes", "fingerprint"}
+        self.nbytes = nbytes  # the resolved bytes of a percentage or of "auto", once fixed
+        self.reference = reference  # the program that fixed a percentage: {"unplanned_peak_bytes", "fingerprint"}
+        self.auto = auto
 
     @property
     def is_percentage(self) -> bool:
@@ -118,15 +252,37 @@ class BudgetResolution:
     def resolved(self) -> bool:
         return self.nbytes is not None
 
+    @property
+    def needs_device(self) -> bool:
+        """"auto", not resolved yet: the first call resolves it (`resolve_auto`) before anything is captured."""
+        return self.budget.auto and self.nbytes is None
+
+    def resolve_auto(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
+        """Fix "auto"'s bytes from the device the call's tensors are on (`auto_budget`); `memory` for tests.
+        ValueError when the step is not on a CUDA device or nothing is left for it."""
+        tensors = step_tensors(module, args, kwargs)
+        device = auto_device(tensors)
+        detail = auto_budget(memory if memory is not None else DeviceMemory.of(device), resident_bytes(tensors, device))
+        self.nbytes, self.auto = detail["bytes"], detail
+
     def bytes_for(self, unplanned_peak_bytes: int) -> int | None:
         """The budget of a program with this unplanned peak."""
+        if self.budget.auto:
+            if self.nbytes is None:
+                raise RuntimeError("mem_budget='auto' was not resolved before planning: the optimized callable's first "
+                                   "call resolves it (BudgetResolution.resolve_auto)")
+            return self.nbytes
         if self.budget.fraction is None:
             return self.budget.nbytes
         return self.nbytes if self.nbytes is not None else self.budget.resolve(unplanned_peak_bytes)
 
     def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None) -> dict | None:
         """How a program with this unplanned peak gets its bytes (Plan.budget_from), None unless a percentage:
-        the program the percentage is taken of (which, its unplanned peak, its fingerprint hash) and the bytes."""
+        the program the percentage is taken of (which, its unplanned peak, its fingerprint hash) and the bytes.
+        For "auto": AUTO_SOURCE, this program's unplanned peak, the bytes and how they were reached ("auto")."""
+        if self.budget.auto:
+            return {"program": AUTO_SOURCE, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
+                    "bytes": self.nbytes, "auto": dict(self.auto or {})}
         if self.budget.fraction is None:
             return None
         if self.reference is not None:
@@ -137,7 +293,9 @@ class BudgetResolution:
     def made_for(self) -> dict:
         """What a plan file must have been made for, beyond the budget's spec, to be reused now: the
         resolved bytes once they are fixed; before, a percentage of the program's own peak (which the
-        fingerprint and the spec determine)."""
+        fingerprint and the spec determine). "auto": its resolved bytes (a plan is never reused for other bytes)."""
+        if self.budget.auto:
+            return {"budget_resolved_bytes": self.nbytes}
         if self.budget.fraction is None:
             return {}
         if self.nbytes is not None:
@@ -151,9 +309,19 @@ class BudgetResolution:
             self.reference = {"unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint}
 
     def explain(self) -> str:
-        """For error messages: where the bytes of a fixed percentage came from."""
+        """For error messages: where the bytes of a fixed percentage (or of "auto") came from."""
         ref = self.reference or {}
         mib = 2**20
+        if self.budget.auto:
+            a = self.auto or {}
+            cap = f", capped at {a['limit_bytes'] / mib:.0f} MiB" if a.get("limit_bytes") is not None else ""
+            return (
+                f"the budget 'auto' was resolved at the first call on {a.get('device')}: {a.get('available_bytes', 0) / mib:.0f} "
+                f"MiB available (free {a.get('free_bytes', 0) / mib:.0f} MiB + cached "
+                f"{(a.get('reserved_bytes', 0) - a.get('allocated_bytes', 0)) / mib:.0f} MiB{cap}) + the step's inputs "
+                f"{a.get('resident_bytes', 0) / mib:.0f} MiB - headroom {a.get('headroom_bytes', 0) / mib:.0f} MiB = "
+                f"{(self.nbytes or 0) / mib:.0f} MiB, and means those bytes for every later program"
+            )
         return (
             f"the budget {self.budget.spec!r} was resolved from the first training program this callable planned "
             f"({self.budget.spec} of its unplanned peak of {ref.get('unplanned_peak_bytes', 0) / mib:.2f} MiB = "
@@ -161,7 +329,8 @@ class BudgetResolution:
         )
 
     def copy(self) -> BudgetResolution:
-        return BudgetResolution(self.budget, self.nbytes, dict(self.reference) if self.reference else None)
+        return BudgetResolution(self.budget, self.nbytes, dict(self.reference) if self.reference else None,
+                                dict(self.auto) if self.auto else None)
 
     def __repr__(self) -> str:
         return f"BudgetResolution({self.budget}, nbytes={self.nbytes}, reference={self.reference})"

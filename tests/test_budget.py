@@ -166,3 +166,166 @@ def test_optimize_accepts_positive_time_limits(limit):
 def test_optimize_rejects_non_callables():
     with pytest.raises(TypeError):
         optsched.optimize(42)
+
+
+# --------------------------------------------------------------------------- mem_budget="auto"
+
+MIB, GIB = 2**20, 2**30
+
+
+def test_auto_is_accepted_by_optimize_only():
+    from optsched.budget import parse_planning_options
+
+    for spec in ("auto", "AUTO", " Auto "):
+        b = parse_budget(spec, auto=True)
+        assert b.auto and b.nbytes is None and b.fraction is None and str(b) == "auto"
+    # plan_offline, host_budget, optimize_fsdp and the CLI plan without the device: "auto" is refused, saying so
+    with pytest.raises(ValueError, match="only by optimize"):
+        parse_budget("auto")
+    with pytest.raises(ValueError, match="host_budget='auto'"):
+        parse_planning_options("auto", "auto", None, None, None, auto=True)
+    with pytest.raises(ValueError, match="only by optimize"):
+        parse_planning_options("auto", None, None, None, None)  # plan_offline's call
+    with pytest.raises(ValueError, match="'auto'"):
+        parse_budget("12 parsecs", auto=True)  # the accepted forms name it where it is accepted
+
+
+def test_auto_on_a_machine_without_cuda_is_refused_at_once_saying_what_to_pass(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    f = _Calls()
+    with pytest.raises(ValueError) as info:
+        optsched.optimize(f, "auto")
+    msg = str(info.value)
+    assert "CUDA" in msg and "'12GB'" in msg and "'60%'" in msg
+    assert f.n == 0
+
+
+def test_auto_with_the_step_on_the_cpu_is_refused_at_the_first_call(monkeypatch):
+    """A CUDA machine, but the step's tensors are on the CPU: "auto" has no device memory to read."""
+    import torch
+    from tests.models import mlp
+
+    model, (x,) = mlp()
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        opt = optsched.optimize(model, "auto")
+    with pytest.raises(ValueError) as info:
+        opt(x)
+    msg = str(info.value)
+    assert "CUDA" in msg and "cpu" in msg and "'12GB'" in msg and "'60%'" in msg
+    assert opt.plan is None
+
+
+def _memory(**kw):
+    from optsched.budget import DeviceMemory
+
+    base = dict(device="cuda:0", total=80 * GIB, free=50 * GIB, reserved=10 * GIB, allocated=6 * GIB, limit=None)
+    return DeviceMemory(**{**base, **kw})
+
+
+def test_auto_arithmetic():
+    from optsched.budget import AUTO_GRANULE, auto_budget
+
+    resident = 2 * GIB + 123
+    d = auto_budget(_memory(), resident)
+    headroom = int(0.05 * 80 * GIB)  # 5% of the device, above the 256 MiB floor
+    assert d["headroom_bytes"] == headroom
+    assert d["available_bytes"] == 50 * GIB + (10 - 6) * GIB  # free + cached (reserved - allocated)
+    raw = resident + 54 * GIB - headroom
+    assert d["bytes"] == raw // AUTO_GRANULE * AUTO_GRANULE and raw - AUTO_GRANULE < d["bytes"] <= raw
+
+    # a small device: the headroom floor
+    small = auto_budget(_memory(total=2 * GIB, free=GIB, reserved=0, allocated=0), 0)
+    assert small["headroom_bytes"] == 256 * MIB and small["bytes"] == GIB - 256 * MIB
+
+    # set_per_process_memory_fraction caps what the allocator may hold: min(free + reserved, limit) - allocated
+    capped = auto_budget(_memory(limit=20 * GIB), resident)
+    assert capped["available_bytes"] == 20 * GIB - 6 * GIB
+    assert capped["bytes"] == (resident + 14 * GIB - headroom) // AUTO_GRANULE * AUTO_GRANULE
+
+    # nothing left for the step beyond its inputs: a clear error, not a budget the planner cannot meet
+    with pytest.raises(ValueError, match="nothing is left for the step"):
+        auto_budget(_memory(free=GIB, reserved=6 * GIB), resident)
+
+
+def test_auto_reads_the_device_through_mem_get_info(monkeypatch):
+    import torch
+    from optsched.budget import DeviceMemory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 9 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    assert DeviceMemory.of("cuda:0") == DeviceMemory("cuda:0", 80 * GIB, 30 * GIB, 12 * GIB, 9 * GIB, None)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.25)
+    assert DeviceMemory.of("cuda:0").limit == 20 * GIB
+
+
+def test_auto_resolves_once_at_the_first_call_and_is_recorded_in_the_plan(monkeypatch):
+    """The whole path on this CPU with the device faked: the first call reads the (faked) CUDA memory,
+    adds the step's inputs, fixes the bytes; the plan records them like any budget; copies keep them."""
+    import copy
+
+    import torch
+    from optsched import budget as budget_mod
+    from optsched.budget import AUTO_SOURCE, resident_bytes, step_tensors
+    from tests.models import mlp
+
+    monkeypatch.setattr(budget_mod, "AUTO_GRANULE", 256)  # this step is KiBs: the rounding would be all of it
+    model, (x,) = mlp()
+    unplanned = optsched.optimize(model)
+    unplanned(x).backward()
+    peak = unplanned.plan.baseline.peak_bytes
+    model.zero_grad(set_to_none=True)
+
+    total = 64 * GIB  # headroom: 3.2 GiB; "free" chosen so that auto means the unplanned peak
+    resident = resident_bytes(step_tensors(model, (x,), {}), torch.device("cpu"))
+    headroom = int(0.05 * total)
+    free = peak - resident + headroom + 255
+    reads = []
+
+    def mem_get_info(device=None):
+        reads.append(device)
+        return free, total
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    monkeypatch.setattr(budget_mod, "auto_device", lambda tensors: torch.device("cpu"))  # the faked device
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        opt = optsched.optimize(model, "auto", time_limit_s=2)
+    assert not reads  # nothing read before the first call
+    opt(x).backward()
+    expected = (resident + free - headroom) // 256 * 256
+    assert len(reads) == 1
+    s = opt.plan.summary()
+    assert s["budget_bytes"] == expected and opt.plan.budget_spec == "auto"
+    assert s["budget_from"] == AUTO_SOURCE
+    assert s["predicted_peak_bytes"] <= expected and peak <= expected < peak + 256
+    ref = opt.plan.budget_from["auto"]
+    assert ref["free_bytes"] == free and ref["resident_bytes"] == resident and ref["bytes"] == expected
+    assert opt.plan.to_file_data()["made_for"]["budget_resolved_bytes"] == expected
+    model.zero_grad(set_to_none=True)
+    opt(x).backward()  # later calls do not read the device again
+    assert len(reads) == 1
+    model.zero_grad(set_to_none=True)
+    twin = copy.copy(opt)  # a copy keeps the resolved bytes
+    twin(x).backward()
+    assert len(reads) == 1 and twin.plan.budget_bytes == expected
+
+
+def test_auto_counts_the_steps_inputs_once():
+    import torch
+    from optsched.budget import resident_bytes, step_tensors
+
+    lin = torch.nn.Linear(10, 10)  # 400 + 40 bytes
+    x = torch.randn(4, 10)  # 160 bytes
+    tensors = step_tensors(lin, (x, x[1:], {"again": lin}), {"also": x.t()})
+    assert resident_bytes(tensors, torch.device("cpu")) == 440 + 160  # views and repeats counted once
+    assert resident_bytes(tensors, torch.device("meta")) == 0  # only what is on the device read
+    lin.weight.grad = torch.zeros(10, 10)  # an accumulation step starts with its gradients (planned live)
+    assert resident_bytes(step_tensors(lin, (x,), {}), torch.device("cpu")) == 440 + 160 + 400

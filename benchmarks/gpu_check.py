@@ -1,0 +1,1057 @@
+"""GPU reality check (issue 23): optsched's CUDA paths measured on the machine at hand, in one process.
+
+Sections (each runs in its own try: a failure is recorded in the JSON and the rest goes on; every case
+of the headline likewise):
+
+    gpu_tests     `pytest -m gpu` in a child process (only the test files that have the marker): counts
+    headline      a transformers Llama (LlamaConfig + LlamaForCausalLM, random weights, bf16, called with
+                  labels; 8 layers, hidden 1024, vocabulary 8000: see ModelConfig) side by side: eager;
+                  optsched with no budget and at 60% / 40% of eager's MEASURED peak (bytes), at 40% with
+                  offload on and off; optsched's Inductor executor at one budget; torch.compile with
+                  activation_memory_budget 1.0 / 0.5 / 0.0; full activation checkpointing (transformers'
+                  own). Per case: measured peak (allocator, model resident), optsched's predicted peak, step
+                  time (CUDA events, median after warm-up), gradients against eager's, planning seconds,
+                  solver status and gap
+    does_not_fit  the allocator capped (set_per_process_memory_fraction) below eager's peak: eager runs out
+                  of memory, optsched with mem_budget="auto" (and bytes) plans and runs within the cap from
+                  the first call; the first call's peak, planning included
+    offload       at 40% (--low-share): the offload plan's measured step time against the recompute-only
+                  plan's, and its predicted exposed copy time against an estimate from a profiled step of each
+
+Writes benchmarks/results/gpu_check.json (--out) after every case, and prints a table. Without CUDA it says so
+and writes a JSON with "cuda": false and every section skipped with its reason; --cpu-smoke runs the headline on
+a tiny Llama on the CPU (what tests/test_gpu_check.py runs). The whole check is sized for under 8 minutes on one
+H100/H200 (--max-seconds: a case that would start past it is recorded as skipped, not run).
+
+    make gpu-check PY=python3                                   # the machine's own python and torch
+    python -m benchmarks.gpu_check --small                      # a smaller model, quicker
+    python -m benchmarks.gpu_check --batch 16 --out /tmp/g.json
+    python -m benchmarks.gpu_check --cpu-smoke                  # no GPU: the CPU-runnable parts, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MIB, GIB = 2**20, 2**30
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
+SCHEMA, SCHEMA_VERSION = "optsched.gpu_check", 1
+SECTIONS = ("gpu_tests", "headline", "does_not_fit", "offload")
+CUDA_ONLY = ("gpu_tests", "does_not_fit", "offload")  # the headline alone has a CPU form (--cpu-smoke)
+NO_CUDA = "CUDA is unavailable (torch.cuda.is_available() is False)"
+MINCUT_KNOBS = (1.0, 0.5, 0.0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Llama of the headline. batch None: chosen on CUDA so eager's peak is --eager-share of the device.
+
+    The vocabulary is 8000, not Llama's 32000 (--vocab 32000 for that): at width 1024 the cross-entropy's
+    float32 logits dominate the step, and one op of its backward (the log-softmax's, with its input, output
+    and gradient live at once) needs 49% of the unplanned peak by plan_offline's proven lower bound (h100
+    profile, any batch), so no plan reaches 40%; optsched's LM-head chunking does not match transformers'
+    loss (logits sliced by logits_to_keep). At 8000 the bound is 22% and 40% is planned, offloads included."""
+
+    layers: int = 8
+    hidden: int = 1024
+    intermediate: int = 2816
+    heads: int = 16
+    kv_heads: int = 16
+    vocab: int = 8000
+    seq: int = 2048
+    batch: int | None = None
+    dtype: str = "bfloat16"
+
+    def describe(self) -> str:
+        return (f"Llama {self.layers} layers, hidden {self.hidden}, intermediate {self.intermediate}, {self.heads} heads "
+                f"({self.kv_heads} kv), vocab {self.vocab}, sequence {self.seq}, batch {self.batch}, {self.dtype}")
+
+
+FULL = ModelConfig()
+SMALL = ModelConfig(layers=4, hidden=512, intermediate=1408, heads=8, kv_heads=8, vocab=8000, seq=1024, batch=8)
+# activations outweigh parameters, as in the real one, so budgets have room to act
+TINY = ModelConfig(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, seq=128, batch=4, dtype="float32")
+
+
+@dataclass
+class Case:
+    """One headline row: `run(check)` returns its figures; `estimate_s` is what it may take (for --max-seconds)."""
+
+    name: str
+    kind: str  # eager | optsched | checkpointing | mincut
+    run: Callable[[Check], dict]
+    estimate_s: float = 30.0
+    skip_reason: str | None = None
+
+
+@dataclass
+class Check:
+    """Everything the sections share: options, device, the model and its batch, eager's reference, the result."""
+
+    args: argparse.Namespace
+    device: Any  # torch.device
+    cfg: ModelConfig
+    out: Path
+    result: dict
+    started: float = field(default_factory=time.perf_counter)
+    model: Any = None
+    ids: Any = None
+    eager: dict | None = None  # eager's row
+    eager_grads: dict | None = None  # on the CPU, in the parameters' dtype
+
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def time_left(self) -> float:
+        return self.args.max_seconds - self.elapsed()
+
+    def save(self) -> None:
+        self.result["elapsed_s"] = round(self.elapsed(), 3)
+        write_json(self.out, self.result)
+
+
+# --------------------------------------------------------------------------- JSON and records
+
+def _finite(x: Any) -> Any:
+    """JSON without NaN/Infinity: non-finite floats become None; tuples lists; other objects their str."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    return str(x)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomically: a reader (or a check killed mid-write) sees the previous file or this one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_finite(data), f, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def error_record(e: BaseException, limit: int = 12) -> dict:
+    """An exception as the JSON keeps it: type, message (first 2000 characters), the traceback's last lines."""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
+    rec = {"type": type(e).__name__, "message": str(e)[:2000], "traceback": "\n".join(tb[-limit:])}
+    for k in ("budget_bytes", "lowest_peak_bytes", "lower_bound_bytes"):  # BudgetInfeasibleError's figures
+        if isinstance(getattr(e, k, None), int):
+            rec[k] = getattr(e, k)
+    return rec
+
+
+def skipped(reason: str) -> dict:
+    return {"status": "skipped", "reason": reason}
+
+
+def run_section(check: Check, name: str, fn: Callable[[Check], dict]) -> dict:
+    """`fn(check)`'s figures as the section's, status "ok" (or what fn set); an exception recorded, never raised."""
+    t0 = time.perf_counter()
+    try:
+        sec = fn(check)
+        sec.setdefault("status", "ok")
+    except Exception as e:  # noqa: BLE001 - one section's failure must not lose the others
+        sec = {"status": "error", "error": error_record(e)}
+    sec["seconds"] = round(time.perf_counter() - t0, 3)
+    check.result["sections"][name] = sec
+    check.save()
+    return sec
+
+
+def run_case(check: Check, case: Case, rows: list) -> dict:
+    """One headline case: its figures, skipped (its reason, or --max-seconds), or its exception recorded."""
+    row: dict = {"name": case.name, "kind": case.kind}
+    if case.skip_reason:
+        row.update(skipped(case.skip_reason))
+    elif check.time_left() < case.estimate_s:
+        row.update(skipped(f"--max-seconds {check.args.max_seconds:.0f}: {check.elapsed():.0f} s spent, this case may "
+                           f"take {case.estimate_s:.0f} s"))
+    else:
+        t0 = time.perf_counter()
+        try:
+            row.update(case.run(check))
+            row["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - every case is recorded, whatever happened to the others
+            row.update(status="error", error=error_record(e))
+        finally:
+            _clean(check)
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+    rows.append(row)
+    check.save()
+    print(f"  {case.name}: {_row_line(row)}", flush=True)
+    return row
+
+
+def _clean(check: Check) -> None:
+    import torch
+
+    if check.model is not None:
+        for p in check.model.parameters():
+            p.grad = None
+    gc.collect()
+    if check.cuda:
+        torch.cuda.synchronize(check.device)
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- environment
+
+def ensure_optsched_importable() -> str:
+    """optsched imported from this source tree without being installed (PYTHONPATH=$PWD, as on a GPU machine
+    whose python has only optsched's dependencies): its `optsched.solvers` package is the top-level solvers/
+    directory (pyproject's package-dir), which only an install maps. Map it here, under its own name, so its
+    modules are the ones optsched imports. Returns how optsched is found."""
+    try:
+        importlib.import_module("optsched.solvers")
+        return "importable"
+    except ModuleNotFoundError as e:
+        if e.name != "optsched.solvers":
+            raise
+    import optsched
+
+    pkg = ROOT / "solvers"
+    spec = importlib.util.spec_from_file_location("optsched.solvers", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["optsched.solvers"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["optsched.solvers"]
+        raise
+    optsched.solvers = module
+    return f"source tree {ROOT} (optsched.solvers mapped to solvers/)"
+
+
+# run in pytest's child process: the same mapping, then pytest
+_PYTEST_BOOTSTRAP = ("import sys; from benchmarks.gpu_check import ensure_optsched_importable; ensure_optsched_importable(); "
+                     "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
+
+
+def git_state(root: Path = ROOT) -> dict:
+    """The commit and whether tracked files differ from it (untracked files counted apart)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=20, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        status = git("status", "--porcelain").splitlines()
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"commit": None, "clean": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    modified = [ln[3:] for ln in status if not ln.startswith("??")]
+    return {"commit": commit, "clean": not modified, "modified": modified[:50],
+            "untracked": sum(ln.startswith("??") for ln in status)}
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "?")
+    except Exception:  # noqa: BLE001 - absent or broken: say so
+        return None
+
+
+def environment(device) -> dict:
+    import torch
+
+    env = {
+        "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda, "triton": _version("triton"), "transformers": _version("transformers"),
+        "ortools": _version("ortools"), "optsched": _version("optsched"), "cpu_threads": torch.get_num_threads(),
+        "git": git_state(),
+    }
+    if device is not None and device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(device=torch.cuda.get_device_name(device), device_memory_bytes=p.total_memory,
+                   capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count())
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            env["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return env
+
+
+# --------------------------------------------------------------------------- model and measurement
+
+def build_model(cfg: ModelConfig, device):
+    """transformers' LlamaForCausalLM, random weights (seed 0), in training mode, no KV cache; on `device`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lc = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                     num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                     max_position_embeddings=cfg.seq, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(lc)
+    return model.to(getattr(torch, cfg.dtype)).train()
+
+
+def make_ids(cfg: ModelConfig, batch: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g).to(device)
+
+
+def loss_call(call: Callable) -> Callable:
+    """A Llama called with labels: the loss."""
+    return lambda ids: call(input_ids=ids, labels=ids).loss
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(call: Callable, model, ids) -> Callable[[], None]:
+    """One step of `call` (a loss of ids): gradients cleared first, loss backward."""
+    def run() -> None:
+        for p in model.parameters():
+            p.grad = None
+        call(ids).backward()
+
+    return run
+
+
+def step_time(run: Callable[[], None], device, warmup: int, repeat: int) -> dict:
+    """Median seconds of `run()` after `warmup` runs: CUDA events on CUDA (the GPU's timeline between two
+    records, host stalls included), wall clock on the CPU."""
+    import torch
+
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+
+
+def grad_error(grads: dict, reference: dict | None) -> dict:
+    """Gradients against eager's: the largest absolute difference, and relative (that over the largest |eager
+    gradient| of the same parameter), over all parameters; parameters one side has and the other lacks."""
+    if reference is None:
+        return {"grad_max_abs_err": None, "grad_max_rel_err": None, "grads_missing": []}
+    missing = sorted(grads.keys() ^ reference.keys())
+    abs_err = rel_err = 0.0
+    for name in grads.keys() & reference.keys():
+        g = grads[name].float()
+        r = reference[name].to(g.device).float()
+        d = (g - r).abs().max().item()
+        scale = r.abs().max().item()
+        abs_err = max(abs_err, d)
+        rel_err = max(rel_err, d / scale if scale > 0 else (0.0 if d == 0 else math.inf))
+    return {"grad_max_abs_err": abs_err, "grad_max_rel_err": rel_err, "grads_missing": missing[:10]}
+
+
+def _intervals_union(iv: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(iv):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def profile_step(run: Callable[[], None], device) -> dict:
+    """One step under torch.profiler (CUDA activity): the GPU's span from its first to its last event, the time
+    kernels ran (union of their intervals, every stream), host<->device copies' busy time, and the idle time of
+    the span (no kernel running: launch gaps, and waits for copies)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync(device)
+    kernels, copies = [], []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        iv = (float(e.time_range.start), float(e.time_range.end))  # microseconds
+        (copies if "memcpy" in e.name.lower() else kernels).append(iv)
+    spans = kernels + copies
+    if not spans:
+        return {"error": "the profiler recorded no CUDA events"}
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    busy = _intervals_union(kernels)
+    return {"gpu_span_s": span / 1e6, "kernel_busy_s": busy / 1e6, "copy_busy_s": _intervals_union(copies) / 1e6,
+            "idle_s": (span - busy) / 1e6, "n_kernels": len(kernels), "n_copies": len(copies)}
+
+
+PLAN_KEYS = ("budget_bytes", "predicted_peak_bytes", "unplanned_peak_bytes", "lower_bound_bytes", "estimated_time_s",
+             "unplanned_time_s", "time_ratio", "solver_status", "gap", "solve_time_s", "method", "n_ops", "n_recomputed",
+             "n_offloaded", "offloaded_bytes", "transfer_s", "exposed_transfer_s", "executor", "n_fusion_groups",
+             "budget_from", "output_usage", "timing", "device_profile")
+
+
+def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | None = None, profile: bool = False) -> dict:
+    """A case's figures, the model's parameters resident: the first call (planning or compiling included: its
+    seconds, and on CUDA its peak), `--warmup` steps (a plan redone for what the first backward showed the
+    caller doing included), the peak of one step at the allocator (measure_training_step: the model and the
+    batch + the rise), gradients against eager's, the median step time; with `opt`, its plan's figures."""
+    import torch
+    from optsched.measure import measure_training_step
+
+    model, ids, dev, a = check.model, check.ids, check.device, check.args
+    run = train_step(call, model, ids)
+    row: dict = {"budget_bytes": budget_bytes}
+    _sync(dev)
+    if check.cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    run()
+    _sync(dev)
+    row["first_call_s"] = time.perf_counter() - t0
+    if check.cuda:
+        row["first_call_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+    first_plan = opt.plan if opt is not None else None
+    for _ in range(a.warmup):
+        run()
+    m = measure_training_step(call, model, (ids,))
+    row.update(measured_peak_bytes=m.peak_bytes, loss=float(m.loss.float().item()))
+    row.update(grad_error(m.grads, check.eager_grads))
+    del m
+    t = step_time(run, dev, warmup=0, repeat=a.repeat)
+    row.update(step_s=t["median_s"], step_min_s=t["min_s"], step_max_s=t["max_s"], timed_steps=t["n"])
+    if check.eager is not None and check.eager.get("step_s"):
+        row["time_vs_eager"] = row["step_s"] / check.eager["step_s"]
+        row["peak_vs_eager"] = row["measured_peak_bytes"] / check.eager["measured_peak_bytes"]
+    if budget_bytes is not None:
+        row["within_budget"] = row["measured_peak_bytes"] <= budget_bytes
+    if opt is not None:
+        plan = opt.plan
+        s = plan.summary()
+        row.update({k: s[k] for k in PLAN_KEYS})
+        row["replanned"] = plan is not first_plan
+        row["plan_s"] = s["solve_time_s"] + (first_plan.solve_time_s if row["replanned"] and first_plan is not None else 0.0)
+        row["predicted_vs_measured"] = (s["predicted_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
+        if plan.budget_from and plan.budget_from.get("auto"):
+            row["auto"] = plan.budget_from["auto"]
+    if profile and check.cuda:
+        try:
+            row["profile"] = profile_step(run, dev)
+        except Exception as e:  # noqa: BLE001 - the profiler is extra: its failure keeps the case's figures
+            row["profile"] = {"error": error_record(e, limit=4)}
+    return row
+
+
+# --------------------------------------------------------------------------- headline cases
+
+def _budget(check: Check, share: float | None) -> int | None:
+    if share is None:
+        return None
+    if check.eager is None:
+        raise RuntimeError("eager's measured peak is unknown (the eager case failed): no budget to take a share of")
+    return int(share * check.eager["measured_peak_bytes"])
+
+
+def case_eager(check: Check) -> dict:
+    """The reference: its peak and gradients (kept on the CPU) and step time; every ratio refers to it."""
+    from optsched.measure import measure_training_step
+
+    call = loss_call(check.model)
+    m = measure_training_step(call, check.model, (check.ids,))
+    check.eager_grads = {k: v.to("cpu") for k, v in m.grads.items()}
+    del m
+    row = measure_case(check, call)
+    check.eager = row
+    row["time_vs_eager"], row["peak_vs_eager"] = 1.0, 1.0
+    return row
+
+
+def case_optsched(share: float | None, offload: bool | None = None, executor: str | None = None,
+                  profile: bool = False, role: str | None = None) -> Callable[[Check], dict]:
+    def run(check: Check) -> dict:
+        import optsched
+
+        budget = _budget(check, share)
+        opt = optsched.optimize(check.model, budget, time_limit_s=check.args.time_limit, offload=offload, executor=executor)
+        row = measure_case(check, loss_call(opt), opt=opt, budget_bytes=budget, profile=profile)
+        row.update(share_of_eager=share, offload=offload, executor_asked=executor, role=role)
+        return row
+
+    return run
+
+
+def case_checkpointing(check: Check) -> dict:
+    """transformers' own: every decoder layer recomputed in the backward (non-reentrant checkpoint).
+    transformers 5.x names it activation_checkpointing_enable (gradient_checkpointing_enable before)."""
+    model, kw = check.model, {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        disable, api = model.activation_checkpointing_disable, "activation_checkpointing_enable"
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        disable, api = model.gradient_checkpointing_disable, "gradient_checkpointing_enable"
+    try:
+        return {**measure_case(check, loss_call(model)), "api": api}
+    finally:
+        disable()
+
+
+def case_mincut(knob: float) -> Callable[[Check], dict]:
+    """torch.compile with torch._functorch.config.activation_memory_budget = knob (its min-cut partitioner),
+    compiled and measured inside the setting."""
+    def run(check: Check) -> dict:
+        import torch
+
+        torch._dynamo.reset()
+        try:
+            with torch._functorch.config.patch(activation_memory_budget=knob):
+                compiled = torch.compile(check.model, backend=check.args.mincut_backend, dynamic=False)
+                row = measure_case(check, loss_call(compiled))
+        finally:
+            torch._dynamo.reset()
+        row.update(activation_memory_budget=knob, backend=check.args.mincut_backend)
+        return row
+
+    return run
+
+
+def headline_cases(check: Check) -> tuple[list[Case], list[Case]]:
+    """The headline's cases: those run first, and those run after the does_not_fit and offload sections (the
+    compilers': their compiles are the longest)."""
+    tl = check.args.time_limit
+    plan_s = 2 * tl + 30  # a plan, possibly redone once the first backward showed the outputs' use, + capture and steps
+    smoke, low = check.args.cpu_smoke, check.args.low_share
+    first = [
+        Case("eager", "eager", case_eager, 15),
+        Case("optsched none", "optsched", case_optsched(None), plan_s),
+        Case("optsched 60%", "optsched", case_optsched(0.6), plan_s),
+        Case(f"optsched {low:.0%} offload", "optsched", case_optsched(low, True, profile=True, role="offload"), plan_s + 5),
+        Case(f"optsched {low:.0%} recompute-only", "optsched", case_optsched(low, False, profile=True, role="recompute_only"),
+             plan_s + 5),
+        Case("full checkpointing", "checkpointing", case_checkpointing, 15),
+    ]
+    ib = check.args.inductor_budget
+    later = [Case(f"optsched {ib:.0%} inductor", "optsched", case_optsched(ib, executor="inductor"), plan_s + 60,
+                  skip_reason="--cpu-smoke: Inductor compiles C++ for every fusion group on the CPU (minutes)" if smoke else None)]
+    later += [Case(f"torch.compile amb={k:g}", "mincut", case_mincut(k), 75 if check.args.mincut_backend == "inductor" else 20)
+              for k in MINCUT_KNOBS]
+    if check.args.cases:
+        wanted = {c.strip() for c in check.args.cases.split(",")}
+        keep = lambda cs: [c for c in cs if c.name in wanted or c.kind in wanted or c.name == "eager"]  # noqa: E731
+        first, later = keep(first), keep(later)
+    return first, later
+
+
+def _headline(check: Check, cases: list[Case]) -> dict:
+    sec = check.result["sections"].get("headline")
+    if not sec or "cases" not in sec:  # the placeholder ("not run yet")
+        sec = check.result["sections"]["headline"] = {"status": "ok", "cases": []}
+    rows = sec["cases"]
+    if check.model is None:
+        setup_model(check)
+    for case in cases:
+        run_case(check, case, rows)
+    sec["counts"] = {s: sum(r.get("status") == s for r in rows) for s in ("ok", "error", "skipped")}
+    return sec
+
+
+def section_headline_first(check: Check) -> dict:
+    if not (check.cuda or check.args.cpu_smoke):
+        return skipped(NO_CUDA + "; --cpu-smoke runs it on a tiny Llama on the CPU")
+    return _headline(check, headline_cases(check)[0])
+
+
+def section_headline_later(check: Check) -> dict:
+    sec = check.result["sections"].get("headline", {})
+    if sec.get("status") == "skipped" or check.model is None:
+        return sec or skipped("the headline did not run")
+    return _headline(check, headline_cases(check)[1])
+
+
+def choose_batch(check: Check, model) -> tuple[int, dict]:
+    """--batch, or on CUDA the batch whose eager peak is about --eager-share of the device (at most --max-batch):
+    eager's peak measured at batch 1 and 2, taken as linear in the batch."""
+    import torch
+    from optsched.measure import measure_training_step
+
+    cfg, a = check.cfg, check.args
+    if cfg.batch is not None:
+        return cfg.batch, {"chosen": "given"}
+    peaks = {}
+    train_step(loss_call(model), model, make_ids(cfg, 1, check.device))()  # cuBLAS and friends set up outside the probe
+    model.zero_grad(set_to_none=True)
+    for b in (1, 2):
+        ids = make_ids(cfg, b, check.device)
+        peaks[b] = measure_training_step(loss_call(model), model, (ids,)).peak_bytes
+        del ids
+    per = max(peaks[2] - peaks[1], 1)
+    fixed = peaks[1] - per
+    total = torch.cuda.get_device_properties(check.device).total_memory
+    batch = int(max(1, min(a.max_batch, (a.eager_share * total - fixed) // per)))
+    return batch, {"chosen": "auto", "eager_peak_batch1_bytes": peaks[1], "eager_peak_batch2_bytes": peaks[2],
+                   "per_sample_bytes": per, "target_bytes": int(a.eager_share * total), "max_batch": a.max_batch,
+                   "predicted_eager_peak_bytes": fixed + batch * per}
+
+
+def setup_model(check: Check) -> None:
+    model = build_model(check.cfg, check.device)
+    batch, how = choose_batch(check, model) if check.cuda else (check.cfg.batch or 2, {"chosen": "given"})
+    check.cfg = dataclasses.replace(check.cfg, batch=batch)
+    check.model, check.ids = model, make_ids(check.cfg, batch, check.device)
+    check.result["config"]["model"] = {**dataclasses.asdict(check.cfg), "describe": check.cfg.describe(),
+                                       "params": sum(p.numel() for p in model.parameters()), "batch_choice": how}
+    print(f"model: {check.cfg.describe()}, {check.result['config']['model']['params'] / 1e6:.1f}M parameters", flush=True)
+    check.save()
+
+
+# --------------------------------------------------------------------------- the other sections
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """Test files that mark something `pytest.mark.gpu` (only they are collected: the others' imports may need
+    dev extras this machine lacks)."""
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+
+
+def junit_counts(path: Path) -> dict:
+    """passed / failed / errors / skipped / tests from a JUnit XML report."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {"tests": n["tests"], "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+            "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"], "failed_names": failed[:20]}
+
+
+def section_gpu_tests(check: Check) -> dict:
+    if not check.cuda:
+        return skipped(NO_CUDA)
+    if check.args.no_tests:
+        return skipped("--no-tests")
+    if importlib.util.find_spec("pytest") is None:
+        return skipped("pytest is not installed for this python")
+    files = gpu_test_files()
+    if not files:
+        return skipped("no test file marks a test pytest.mark.gpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        # a file whose imports fail here (a dev extra missing) is counted as an error; the others still run
+        cmd = [sys.executable, "-c", _PYTEST_BOOTSTRAP, "-q", "-m", "gpu", "-p", "no:cacheprovider",
+               "--continue-on-collection-errors", f"--junitxml={report}", *files]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=check.args.pytest_timeout)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"")[-3000:]
+            return {"status": "error", "files": files, "error": {"type": "TimeoutExpired",
+                    "message": f"pytest -m gpu ran past --pytest-timeout {check.args.pytest_timeout} s",
+                    "traceback": out.decode(errors="replace") if isinstance(out, bytes) else out}}
+        sec = {"files": files, "command": "pytest " + " ".join(cmd[3:]), "returncode": p.returncode,
+               "output_tail": (p.stdout + p.stderr)[-3000:]}
+        if report.exists():
+            sec.update(junit_counts(report))
+        if p.returncode not in (0, 5):  # 5: nothing collected (every test deselected)
+            sec["status"] = "failed"
+    return sec
+
+
+def section_does_not_fit(check: Check) -> dict:
+    """The allocator capped at --not-fit-share of eager's peak (plus whatever else this process holds): eager's
+    step, expected to run out of memory, then optsched with mem_budget="auto" and with bytes, each planned and run
+    from a fresh optimize(): the first call's peak (max_memory_allocated, planning included) against the cap and
+    the budget, then the steady step."""
+    import torch
+    import optsched
+    from optsched.measure import live_bytes
+
+    if not check.cuda:
+        return skipped(NO_CUDA + ": the cap is torch.cuda.set_per_process_memory_fraction")
+    if check.eager is None:
+        raise RuntimeError("eager's measured peak is unknown (the eager case failed or was skipped)")
+    dev, model, ids = check.device, check.model, check.ids
+    _clean(check)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    resident = live_bytes(model, ids)
+    other = torch.cuda.memory_allocated(dev) - resident  # held by this process beside the step's inputs
+    limit = int(check.args.not_fit_share * check.eager["measured_peak_bytes"]) + max(other, 0)
+    sec: dict = {"eager_peak_bytes": check.eager["measured_peak_bytes"], "limit_bytes": limit, "fraction": limit / total,
+                 "resident_bytes": resident, "other_allocated_bytes": other, "cases": []}
+    torch.cuda.set_per_process_memory_fraction(limit / total, dev)
+    try:
+        sec["eager"] = _eager_under_cap(check)
+        _clean(check)
+        for spec in ("auto", "bytes"):
+            if check.time_left() < 2 * check.args.time_limit + 30:
+                sec["cases"].append({"budget": spec, **skipped(f"--max-seconds {check.args.max_seconds:.0f}")})
+                continue
+            budget = "auto" if spec == "auto" else int(0.9 * (limit - max(other, 0)))
+            row: dict = {"budget": spec}
+            try:
+                opt = optsched.optimize(model, budget, time_limit_s=check.args.time_limit)
+                row.update(_first_call_within(check, opt, limit, other))
+                row["status"] = "ok"
+            except Exception as e:  # noqa: BLE001
+                row.update(status="error", error=error_record(e))
+            finally:
+                opt = None
+                _clean(check)
+            sec["cases"].append(row)
+            check.save()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        _clean(check)
+    sec["ok"] = bool(sec["cases"]) and all(r.get("status") == "ok" and r.get("first_call_within_limit") for r in sec["cases"])
+    return sec
+
+
+def _eager_under_cap(check: Check) -> dict:
+    import torch
+
+    torch.cuda.reset_peak_memory_stats(check.device)
+    try:
+        train_step(loss_call(check.model), check.model, check.ids)()
+        _sync(check.device)
+    except torch.cuda.OutOfMemoryError as e:
+        return {"out_of_memory": True, "message": str(e).splitlines()[0][:300] if str(e) else ""}
+    return {"out_of_memory": False, "peak_bytes": torch.cuda.max_memory_allocated(check.device),
+            "note": "eager's step fit under the cap: the cap did not bind"}
+
+
+def _first_call_within(check: Check, opt, limit: int, other: int) -> dict:
+    import torch
+
+    dev = check.device
+    run = train_step(loss_call(opt), check.model, check.ids)
+    _sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    run()
+    _sync(dev)
+    row = {"first_call_s": time.perf_counter() - t0, "first_call_peak_bytes": torch.cuda.max_memory_allocated(dev)}
+    plan = opt.plan
+    s = plan.summary()
+    row.update({k: s[k] for k in ("budget_bytes", "predicted_peak_bytes", "unplanned_peak_bytes", "solver_status", "gap",
+                                  "solve_time_s", "n_recomputed", "n_offloaded", "estimated_time_s")})
+    if plan.budget_from and plan.budget_from.get("auto"):
+        row["auto"] = plan.budget_from["auto"]
+    # the plan's budget counts the step (the model, the batch, what it allocates), not what else this process holds
+    row["first_call_within_budget"] = row["first_call_peak_bytes"] - max(other, 0) <= s["budget_bytes"]
+    row["first_call_within_limit"] = row["first_call_peak_bytes"] <= limit
+    torch.cuda.reset_peak_memory_stats(dev)
+    t = step_time(run, dev, warmup=1, repeat=max(2, check.args.repeat // 2))
+    row.update(steady_peak_bytes=torch.cuda.max_memory_allocated(dev), step_s=t["median_s"], replanned=opt.plan is not plan)
+    if check.eager and check.eager.get("step_s"):
+        row["time_vs_eager"] = row["step_s"] / check.eager["step_s"]
+    return row
+
+
+def section_offload(check: Check) -> dict:
+    """At --low-share (40%): offload plan against recompute-only plan, from the two headline rows (their profiled
+    steps too)."""
+    if not check.cuda:
+        return skipped(NO_CUDA + ": offloading copies to pinned host memory on CUDA streams")
+    rows = {r.get("role"): r for r in check.result["sections"].get("headline", {}).get("cases", []) if r.get("role")}
+    off, rec = rows.get("offload"), rows.get("recompute_only")
+    for name, r in (("offload", off), ("recompute-only", rec)):
+        if r is None or r.get("status") != "ok":
+            raise RuntimeError(f"the headline's {name} case did not run to completion: "
+                               + (r.get("reason") or r.get("error", {}).get("message", "") if r else "absent"))
+    sec = {
+        "share_of_eager": off["share_of_eager"], "budget_bytes": off["budget_bytes"],
+        "measured_step_s": {"offload": off["step_s"], "recompute_only": rec["step_s"]},
+        "measured_speedup": rec["step_s"] / off["step_s"],
+        "predicted_step_s": {"offload": off["estimated_time_s"], "recompute_only": rec["estimated_time_s"]},
+        "predicted_speedup": rec["estimated_time_s"] / off["estimated_time_s"],
+        "measured_peak_bytes": {"offload": off["measured_peak_bytes"], "recompute_only": rec["measured_peak_bytes"]},
+        "n_offloaded": off["n_offloaded"], "offloaded_bytes": off["offloaded_bytes"],
+        "n_recomputed": {"offload": off["n_recomputed"], "recompute_only": rec["n_recomputed"]},
+        "predicted_transfer_s": off["transfer_s"], "predicted_exposed_transfer_s": off["exposed_transfer_s"],
+    }
+    po, pr = off.get("profile") or {}, rec.get("profile") or {}
+    if "idle_s" in po and "idle_s" in pr:
+        # the GPU idle in a step (no kernel running) beyond the recompute-only plan's: what waiting for copies added
+        sec.update(measured_copy_busy_s=po["copy_busy_s"], measured_exposed_transfer_estimate_s=po["idle_s"] - pr["idle_s"],
+                   idle_s={"offload": po["idle_s"], "recompute_only": pr["idle_s"]})
+    else:
+        sec["profile_note"] = f"no profiled step: {po.get('error') or pr.get('error') or 'absent'}"
+    if not off["n_offloaded"]:
+        sec["note"] = "the offload plan offloads nothing here: the comparison says nothing about copies"
+    return sec
+
+
+# --------------------------------------------------------------------------- schema and table
+
+REQUIRED_TOP = {"schema": str, "schema_version": int, "cuda": bool, "started": str, "environment": dict, "config": dict,
+                "sections": dict}
+CASE_FIGURES = ("measured_peak_bytes", "step_s")
+
+
+def check_schema(result: dict) -> list[str]:
+    """What is wrong with a gpu_check JSON (empty: nothing): top-level keys and types, every section present with a
+    status (skipped ones with a reason, errors with their record), every headline case with figures or a reason."""
+    problems = [f"{k}: missing or not {t.__name__}" for k, t in REQUIRED_TOP.items() if not isinstance(result.get(k), t)]
+    sections = result.get("sections") or {}
+    for name in SECTIONS:
+        sec = sections.get(name)
+        if not isinstance(sec, dict) or sec.get("status") not in ("ok", "skipped", "error", "failed"):
+            problems.append(f"sections.{name}: missing or without a status")
+            continue
+        if sec["status"] == "skipped" and not sec.get("reason"):
+            problems.append(f"sections.{name}: skipped without a reason")
+        if sec["status"] == "error" and not (sec.get("error") or {}).get("type"):
+            problems.append(f"sections.{name}: error without its record")
+    for i, row in enumerate((sections.get("headline") or {}).get("cases", [])):
+        where = f"sections.headline.cases[{i}] ({row.get('name')})"
+        st = row.get("status")
+        if st == "ok" and not all(isinstance(row.get(k), (int, float)) for k in CASE_FIGURES):
+            problems.append(f"{where}: ok without {', '.join(CASE_FIGURES)}")
+        elif st == "error" and not {"type", "message", "traceback"} <= set(row.get("error") or {}):
+            problems.append(f"{where}: error without type, message and traceback")
+        elif st == "skipped" and not row.get("reason"):
+            problems.append(f"{where}: skipped without a reason")
+        elif st not in ("ok", "error", "skipped"):
+            problems.append(f"{where}: status {st!r}")
+    return problems
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MIB:,.0f}" if abs(b) >= 100 * MIB else f"{b / MIB:.2f}"
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _row_line(r: dict) -> str:
+    if r.get("status") == "skipped":
+        return f"skipped: {r.get('reason')}"
+    if r.get("status") == "error":
+        e = r.get("error") or {}
+        return f"ERROR {e.get('type')}: {(e.get('message') or '').splitlines()[0][:160] if e.get('message') else ''}"
+    return (f"peak {_mib(r.get('measured_peak_bytes'))} MiB (predicted {_mib(r.get('predicted_peak_bytes'))}), "
+            f"step {_num(r.get('step_s') and r['step_s'] * 1e3, '.1f')} ms")
+
+
+def render_table(result: dict) -> str:
+    """The check as plain text: environment, then per section its figures or why it did not run."""
+    env, secs = result.get("environment", {}), result.get("sections", {})
+    git = env.get("git") or {}
+    lines = [
+        f"gpu_check on {env.get('device')}: torch {env.get('torch')}, CUDA {env.get('cuda_runtime')}, triton "
+        f"{env.get('triton')}, transformers {env.get('transformers')}; commit {str(git.get('commit'))[:12]}"
+        f"{'' if git.get('clean') else ' (tree not clean)' if git.get('clean') is False else ''}",
+    ]
+    model = (result.get("config") or {}).get("model")
+    if model and model.get("describe"):
+        lines.append(f"model: {model.get('describe')}, {model.get('params', 0) / 1e6:.1f}M parameters")
+    t = secs.get("gpu_tests", {})
+    if t.get("status") == "skipped":
+        lines.append(f"\npytest -m gpu: skipped ({t.get('reason')})")
+    elif "tests" in t:
+        lines.append(f"\npytest -m gpu: {t['passed']} passed, {t['failed']} failed, {t['errors']} errors, "
+                     f"{t['skipped']} skipped ({t.get('status')})")
+    else:
+        lines.append(f"\npytest -m gpu: {t.get('status')} {(t.get('error') or {}).get('message', '')}")
+
+    h = secs.get("headline", {})
+    lines.append("")
+    if h.get("status") == "skipped":
+        lines.append(f"headline: skipped ({h.get('reason')})")
+    elif h.get("status") == "error":
+        lines.append(f"headline: ERROR {(h.get('error') or {}).get('type')}: {(h.get('error') or {}).get('message')}")
+    if h.get("cases"):
+        head = (f"{'case':<30} {'budget':>8} {'predicted':>9} {'measured':>9} {'fits':>4} {'step ms':>8} {'x eager':>7} "
+                f"{'grad rel':>8} {'plan s':>6} {'status':>9} {'gap':>6}")
+        lines += [head + "   (MiB)", "-" * len(head)]
+        for r in h["cases"]:
+            if r.get("status") != "ok":
+                lines.append(f"{r.get('name', '?'):<30} {_row_line(r)}")
+                continue
+            fits = "-" if r.get("within_budget") is None else ("yes" if r["within_budget"] else "NO")
+            lines.append(
+                f"{r['name']:<30} {_mib(r.get('budget_bytes')):>8} {_mib(r.get('predicted_peak_bytes')):>9} "
+                f"{_mib(r.get('measured_peak_bytes')):>9} {fits:>4} {_num(r.get('step_s') and r['step_s'] * 1e3, '8.1f'):>8} "
+                f"{_num(r.get('time_vs_eager'), '7.2f'):>7} {_num(r.get('grad_max_rel_err'), '8.1e'):>8} "
+                f"{_num(r.get('plan_s'), '6.1f'):>6} {str(r.get('solver_status') or '-'):>9} {_num(r.get('gap'), '6.1%'):>6}")
+
+    n = secs.get("does_not_fit", {})
+    lines.append("")
+    if n.get("status") != "ok":
+        lines.append(f"does not fit: {n.get('status')} ({n.get('reason') or (n.get('error') or {}).get('message')})")
+    else:
+        e = n.get("eager") or {}
+        lines.append(f"does not fit: cap {_mib(n.get('limit_bytes'))} MiB = {n.get('fraction', 0):.1%} of the device, eager "
+                     + ("ran out of memory" if e.get("out_of_memory") else f"fit ({_mib(e.get('peak_bytes'))} MiB)"))
+        for r in n.get("cases", []):
+            if r.get("status") != "ok":
+                lines.append(f"  {r.get('budget')}: {_row_line(r)}")
+                continue
+            lines.append(f"  {r['budget']}: budget {_mib(r.get('budget_bytes'))} MiB, first call peak "
+                         f"{_mib(r.get('first_call_peak_bytes'))} MiB (planning included; within cap: "
+                         f"{'yes' if r.get('first_call_within_limit') else 'NO'}, within budget: "
+                         f"{'yes' if r.get('first_call_within_budget') else 'NO'}), "
+                         f"step {_num(r.get('step_s') and r['step_s'] * 1e3, '.1f')} ms")
+
+    o = secs.get("offload", {})
+    lines.append("")
+    if o.get("status") != "ok":
+        lines.append(f"offload: {o.get('status')} ({o.get('reason') or (o.get('error') or {}).get('message')})")
+    else:
+        ms, ps = o["measured_step_s"], o["predicted_step_s"]
+        lines.append(f"offload at {o.get('share_of_eager', 0):.0%}: offload {ms['offload'] * 1e3:.1f} ms vs recompute-only "
+                     f"{ms['recompute_only'] * 1e3:.1f} ms "
+                     f"measured ({o['measured_speedup']:.2f}x), predicted {ps['offload'] * 1e3:.1f} vs "
+                     f"{ps['recompute_only'] * 1e3:.1f} ms ({o['predicted_speedup']:.2f}x); {o['n_offloaded']} tensors "
+                     f"{_mib(o['offloaded_bytes'])} MiB offloaded; exposed copies predicted "
+                     f"{o['predicted_exposed_transfer_s'] * 1e3:.2f} ms, measured estimate "
+                     f"{_num(o.get('measured_exposed_transfer_estimate_s') and o['measured_exposed_transfer_estimate_s'] * 1e3, '.2f')} ms")
+    lines.append(f"\n{result.get('elapsed_s', 0):.0f} s in all")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the JSON (default: benchmarks/results/gpu_check.json)")
+    ap.add_argument("--small", action="store_true", help=f"a smaller Llama: {SMALL.describe()}")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help=f"without CUDA, run the headline's CPU-runnable cases on a tiny Llama ({TINY.describe()})")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="default: on CUDA, the batch whose eager peak is --eager-share of the device (--small: 8)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --small 4)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; --small 1024)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8000: see ModelConfig; Llama's is 32000)")
+    ap.add_argument("--eager-share", type=float, default=0.6, help="the automatic batch: eager's peak / device memory")
+    ap.add_argument("--max-batch", type=int, default=64, help="the automatic batch's ceiling")
+    ap.add_argument("--time-limit", type=float, default=None, help="optsched's planning limit per plan, s (default 8; "
+                    "--cpu-smoke 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps after the first call before measuring (default 2)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed steps per case, median (default 5; --cpu-smoke 2)")
+    ap.add_argument("--low-share", type=float, default=None,
+                    help="the low budget (offload on and off), share of eager's peak (default 0.4; --cpu-smoke 0.5: the "
+                    "tiny model's plans at 40%% take longer to find than the smoke has)")
+    ap.add_argument("--inductor-budget", type=float, default=0.6, help="the Inductor executor's budget, share of eager's peak")
+    ap.add_argument("--mincut-backend", default=None, choices=["inductor", "aot_eager_decomp_partition"],
+                    help="torch.compile backend of the activation_memory_budget cases (default inductor; "
+                    "--cpu-smoke aot_eager_decomp_partition)")
+    ap.add_argument("--not-fit-share", type=float, default=0.7, help="does_not_fit: the cap, as a share of eager's peak")
+    ap.add_argument("--max-seconds", type=float, default=420.0,
+                    help="a case that may not finish within this many seconds of the start is skipped (default 420: "
+                    "the whole check, imports and table included, within 8 minutes)")
+    ap.add_argument("--pytest-timeout", type=float, default=120.0, help="pytest -m gpu's limit, s")
+    ap.add_argument("--no-tests", action="store_true", help="skip pytest -m gpu")
+    ap.add_argument("--cases", default=None, help="only these headline cases (names or kinds, comma-separated); eager always")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a section or case failed (default: 0 once the JSON is written)")
+    a = ap.parse_args(argv)
+    smoke = a.cpu_smoke
+    a.time_limit = a.time_limit if a.time_limit is not None else (1.0 if smoke else 8.0)
+    a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 2)
+    a.repeat = a.repeat if a.repeat is not None else (2 if smoke else 5)
+    a.low_share = a.low_share if a.low_share is not None else (0.5 if smoke else 0.4)
+    a.mincut_backend = a.mincut_backend or ("aot_eager_decomp_partition" if smoke else "inductor")
+    return a
+
+
+def model_config(a: argparse.Namespace, cuda: bool) -> ModelConfig:
+    cfg = SMALL if a.small else FULL
+    if not cuda:
+        cfg = TINY
+    over = {k: v for k, v in (("batch", a.batch), ("layers", a.layers), ("seq", a.seq), ("vocab", a.vocab)) if v is not None}
+    return dataclasses.replace(cfg, **over)
+
+
+def new_result(a: argparse.Namespace, cuda: bool, cfg: ModelConfig) -> dict:
+    return {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "cuda": cuda,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.gpu_check", *sys.argv[1:]]),
+        "environment": {}, "config": {"options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+                                      "model": dataclasses.asdict(cfg)},
+        "sections": {name: skipped("not run yet") for name in SECTIONS},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    a = parse_args(argv)
+    found = ensure_optsched_importable()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    cfg = model_config(a, cuda)
+    check = Check(a, device, cfg, a.out, new_result(a, cuda, cfg))
+    threads = torch.get_num_threads()
+    if not cuda:
+        print(f"{NO_CUDA}: the CUDA sections are skipped" + ("; --cpu-smoke: the headline on a tiny Llama on the CPU"
+                                                               if a.cpu_smoke else " (--cpu-smoke runs the headline on the CPU)"))
+        # one intra-op thread: on a small shared machine two can be tens of times slower (optsched/costs/measure.py)
+        torch.set_num_threads(1)
+    try:
+        check.result["environment"] = {**environment(device), "optsched_from": found}
+        check.save()
+        steps = [("gpu_tests", section_gpu_tests), ("headline", section_headline_first),
+                 ("does_not_fit", section_does_not_fit), ("offload", section_offload), ("headline", section_headline_later)]
+        for name, fn in steps:
+            print(f"[{check.elapsed():5.0f} s] {name}", flush=True)
+            run_section(check, name, fn)
+    finally:
+        torch.set_num_threads(threads)
+    check.result["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    check.result["schema_problems"] = check_schema(check.result)
+    check.save()
+    print()
+    print(render_table(check.result))
+    print(f"wrote {a.out}")
+    failed = [n for n, s in check.result["sections"].items() if s.get("status") in ("error", "failed")]
+    failed += [r["name"] for r in check.result["sections"]["headline"].get("cases", []) if r.get("status") == "error"]
+    if failed:
+        print(f"failures: {', '.join(failed)}")
+    return 1 if a.strict and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -138,9 +138,9 @@ class Dispatcher:
         base = (
             torch.is_grad_enabled(),
             module.training if module is not None else None,
+            grads_at_start(module, args, kwargs),
             _signature(args, kwargs),
             self.extra_key(args, kwargs),
-            grads_at_start(module, args, kwargs),
         )
         # what the caller was last seen doing with this program's outputs (output_usage): a new usage, a new plan
         return base, self.usage.get(base)
@@ -208,7 +208,7 @@ class Dispatcher:
 
         return PlanningBackend(
             self.settings, on_plan, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
-            grads_at_start=bool(base and base[-1]),
+            grads_at_start=bool(base and base[2]),
         )
 
     def copy_spec(self) -> _CopySpec:
@@ -235,13 +235,14 @@ _CONSTANTS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.devic
 
 def grads_at_start(module: torch.nn.Module | None, args: tuple, kwargs: dict) -> bool:
     """Whether the step starts with gradients it will accumulate into (`.grad` set on a parameter of the
-    module or on a leaf tensor argument): they are live through the whole step, and the backward's new
-    gradients are added to them after it returns. Part of the signature, so an accumulation step gets its
-    own plan (planned as if every gradient the step makes already had one: the worst case)."""
-    if module is not None and any(p.grad is not None for p in module.parameters()):
-        return True
+    module, or on an `nn.Parameter` passed to a function): they are live through the whole step, and the
+    backward's new gradients are added to them after it returns. Part of the signature, so an accumulation
+    step gets its own plan (planned as if every gradient the step makes already had one: the worst case).
+    Other tensors' `.grad` (an input that requires grad) is not looked at."""
+    if module is not None:
+        return any(p.grad is not None for p in module.parameters())
     leaves, _ = tree_flatten((args, kwargs))
-    return any(isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and a.grad is not None for a in leaves)
+    return any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in leaves)
 
 
 def _signature(args: tuple, kwargs: dict) -> Hashable:

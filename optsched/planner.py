@@ -42,7 +42,7 @@ from .executors import get_executor
 from .executors.base import Executor
 from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
 from .passes.chunking import chunk, copy_graph, find_chains
-from .plans.cache import find_plan_file, plan_path, save_or_warn
+from .plans.cache import accumulation_path, find_plan_file, plan_path, save_or_warn
 from .plans.file_format import PlanFile, PlanMismatchError
 from .plans.plan import Plan
 from .plans.reuse import plan_from_file
@@ -155,6 +155,8 @@ class Planner:
         path = plan_path(self.settings.plan_spec, fp["hash"],
                          {**self.made_for(name), "chunk_counts": list(self.settings.chunk_counts)})
         pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
+        if path is not None and self.settings.plan_spec != "auto" and self.made_for(name)["grads_at_start"]:
+            path = accumulation_path(path)  # the same graph, started with gradients: a file of its own
         if pf is None and path is not None:  # plan=PATH: PATH, or the file beside it for this graph (plans.cache)
             path, pf = find_plan_file(path, fp, cached=self.settings.plan_spec == "auto")
         if pf is not None:

@@ -234,10 +234,17 @@ def _flipped(plans, tmp_path) -> Path:
     return path
 
 
+def _not_utf8(tmp_path) -> Path:
+    """Bytes that are not UTF-8 (a binary file, a UTF-16 export): not a plan file."""
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe{\x00\"\x00s\x00" + bytes(range(128, 256)))
+    return path
+
+
 @pytest.mark.parametrize("command", ["show", "diff", "timeline"])
 def test_a_corrupted_plan_file_is_one_line_and_exit_2(command, plans, tmp_path, capsys):
     for bad, word in ((_truncated(plans, tmp_path), "JSON"), (_flipped(plans, tmp_path), "checksum"),
-                      (tmp_path / "missing.json", "cannot read")):
+                      (tmp_path / "missing.json", "cannot read"), (_not_utf8(tmp_path), "not a plan file: not UTF-8")):
         args = {"show": [str(bad)], "diff": [str(plans["loose"]), str(bad)],
                 "timeline": [str(bad), "-o", str(tmp_path / "t.png")]}[command]
         assert main([command, *args]) == 2
@@ -261,6 +268,55 @@ def test_a_truncated_plan_file_in_a_real_process_exits_2_without_a_traceback(pla
     assert out.stdout == ""
 
 
+def test_a_non_utf8_plan_file_in_a_real_process_exits_2_without_a_traceback(tmp_path):
+    bad = _not_utf8(tmp_path)
+    out = _run("show", str(bad))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"optsched show: error: {bad} is not a plan file: not UTF-8 JSON (byte 0 is 0xff); plan files "
+                     "are the JSON that Plan.save, optimize(plan=...) and `optsched plan` write"], lines
+
+
+def test_timeline_outputs_that_cannot_be_written_are_one_line_and_exit_2(plans, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out, why in ((tmp_path, "is a folder"), (blocker / "t.png", "a_file is a file, not a folder"),
+                     (blocker / "sub" / "t.png", "a_file is a file")):
+        assert main(["timeline", str(plans["tight"]), "-o", str(out)]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"optsched timeline: error: cannot write the image to {out}: "), lines
+        assert why in lines[0], lines
+    # a missing folder is created, as `optsched plan -o` creates it
+    out = tmp_path / "new" / "deeper" / "t.png"
+    assert main(["timeline", str(plans["tight"]), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_timeline_that_cannot_be_saved_after_all_is_one_line_and_exit_1(plans, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from optsched.cli import timeline
+
+    def disk_full(data, path, dpi):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(timeline, "plot_timeline", disk_full)
+    out = tmp_path / "t.png"
+    assert main(["timeline", str(plans["tight"]), "-o", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"optsched timeline: error: cannot write the image to {out}: No space left on device"]
+
+
+@pytest.mark.parametrize("value", ["100000", "601", "9", "0", "-5", "1.5", "x"])
+def test_timeline_dpi_out_of_range_is_an_argparse_error(value, plans, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["timeline", str(plans["tight"]), "-o", str(tmp_path / "t.png"), "--dpi", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: optsched timeline" in err and f"argument --dpi: {value!r} is not a resolution from 10 to 600" in err, err
+    assert not (tmp_path / "t.png").exists()
+
+
 @pytest.mark.parametrize(
     "args, bad",
     [
@@ -269,7 +325,12 @@ def test_a_truncated_plan_file_in_a_real_process_exits_2_without_a_traceback(pla
         (["--inputs", "8x128:int64,,8x128"], "input 2 of 3 is empty"),
         (["--inputs", "8x0"], "'8x0'"),
         (["--inputs", "8x128", "--budget", "12XB"], "'XB'"),
-        (["--inputs", "8x128", "--budget=-5%"], "'-5%'"),
+        (["--inputs", "8x128", "--budget=-5%"], "'-5%': a budget must be positive"),
+        (["--inputs", "8x128", "--budget", "-5%"], "'-5%': a budget must be positive"),
+        (["--inputs", "8x128", "--budget", "-1.5GiB"], "'-1.5GiB': a budget must be positive"),
+        (["--budget", "-2000000", "--inputs", "8x128"], "'-2000000': a budget must be positive"),
+        (["--inputs", "8x128", "--bud", "-5%"], "'-5%': a budget must be positive"),
+        (["--inputs", "8x128", "--budget", "--profile", "cpu"], "argument --budget: expected one argument"),
         (["--inputs", "8x128", "--budget", "0%"], "'0%'"),
         (["--inputs", "8x128", "--time-limit", "0"], "'0'"),
         (["--inputs", "8x128", "--kwargs", "[1]"], "JSON object"),
@@ -290,6 +351,43 @@ def test_a_factory_that_is_not_there_is_one_line_listing_what_is(capsys):
     assert len(err) == 1 and "'nope'" in err[0] and "build" in err[0]
     assert main(["plan", "no_such_module_here:f", "--inputs", "8x128"]) == 2
     assert "cannot import module 'no_such_module_here'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("import no_such_dependency_of_theirs\n", "ModuleNotFoundError: No module named 'no_such_dependency_of_theirs'"),
+        ("from os import no_such_name\n", "ImportError: cannot import name 'no_such_name' from 'os'"),
+        ("def f(:\n", "SyntaxError: invalid syntax"),
+        ("raise RuntimeError('the config file is missing')\n", "RuntimeError: the config file is missing"),
+    ],
+)
+def test_a_module_that_fails_to_import_is_one_line_and_exit_2(source, message, tmp_path, monkeypatch, capsys):
+    """The user's module is there but does not import (one of its own imports fails, or its code): a usage error."""
+    name = f"users_model_{abs(hash(source)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source + "def build():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert main(["plan", f"{name}:build", "--inputs", "8x128", "-o", str(tmp_path / "p.json")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"optsched plan: error: cannot import module {name!r} (from '{name}:build'): "), lines
+        assert f"{tmp_path / name}.py:1: " in lines[0] and message in lines[0], lines
+        with pytest.raises(Exception) as raised:  # --traceback: the import error itself
+            main(["plan", f"{name}:build", "--inputs", "8x128", "-o", str(tmp_path / "p.json"), "--traceback"])
+        assert message.split(":")[0] == type(raised.value).__name__
+    finally:
+        sys.modules.pop(name, None)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_module_that_fails_to_import_in_a_real_process_exits_2_without_a_traceback(tmp_path):
+    (tmp_path / "broken_model.py").write_text("import no_such_dependency_of_theirs\n")
+    out = subprocess.run([sys.executable, "-m", "optsched.cli", "plan", "broken_model:build", "--inputs", "8x128",
+                          "-o", str(tmp_path / "p.json")], check=False, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("optsched plan: error: cannot import module 'broken_model'")
 
 
 def _unwritable_outputs(tmp_path) -> list[Path]:

@@ -100,6 +100,7 @@ def test_eval_and_no_grad_after_training_keep_the_training_budget(pct):
 
     opt.train()
     module.train()
+    module.zero_grad(set_to_none=True)  # a new step (one that accumulates is another program)
     opt(x).backward()
     assert opt.plan is train_plan  # the training program, still cached: not planned again
 
@@ -165,6 +166,7 @@ def test_a_larger_shape_that_cannot_fit_the_resolved_bytes_raises():
     assert "resolved from the first training program" in str(e)
     assert "'60%'" in str(e) and "no plan fits" in str(e)
     assert opt.plan is None  # the program that failed has no plan
+    module.zero_grad(set_to_none=True)
     opt(small).backward()  # the planned shape still runs
     assert opt.plan is plan
 
@@ -197,11 +199,13 @@ def test_many_sequence_lengths_never_hit_the_recompile_limit(monkeypatch):
     assert len({id(p) for p in plans.values()}) == len(lengths)
     assert all(p.budget_bytes == plans[14].budget_bytes for p in plans.values())  # resolved once, by the first
 
+    module.zero_grad(set_to_none=True)
     opt(_x(2, 4)).backward()  # cached: runs without planning
     assert opt.plan is plans[4]
     evicted = weakref.ref(plans.pop(14))
     gc.collect()
     assert evicted() is None  # a dropped program frees its plan (and compiled code)
+    module.zero_grad(set_to_none=True)
     opt(_x(2, 14)).backward()  # dropped: planned again
     assert 2 * 14 * WIDTH * 4 in _input_bytes(opt.plan)
     assert len(dispatcher.entries) == 4
@@ -213,14 +217,17 @@ def test_plan_follows_the_program_that_runs():
     a, b = _x(2, 8), _x(2, 16)
     opt(a).backward()
     plan_a = opt.plan
+    module.zero_grad(set_to_none=True)  # each step from None (one that accumulates is another program)
     opt(b).backward()
     plan_b = opt.plan
     assert plan_a is not plan_b
+    module.zero_grad(set_to_none=True)
     opt(a).backward()
     assert opt.plan is plan_a
     with torch.no_grad():
         opt(b)
     assert opt.plan.kind == "inference"
+    module.zero_grad(set_to_none=True)
     opt(b).backward()
     assert opt.plan is plan_b
 

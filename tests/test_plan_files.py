@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,10 +66,19 @@ def test_a_plan_loaded_in_a_new_process_runs_the_same_program_at_the_same_peak(s
     assert second["loss"] == first["loss"]
 
 
-def test_a_wider_model_is_refused_naming_the_difference(saved_plan):
-    path, _first = saved_plan
-    with pytest.raises(AssertionError, match=r"PlanMismatchError.*1000x256.*1000x320"):
-        _run(320, path)
+def test_a_wider_model_gets_its_own_plan_file_beside_and_the_first_is_kept(saved_plan):
+    """One plan file per shape: the same step at other shapes (here a wider layer: the same ops) is planned and
+    saved beside PATH (named by its fingerprint), never over it, and replayed from there by the next run."""
+    path, first = saved_plan
+    before = path.read_bytes()
+    wider = _run(320, path)
+    assert not any(n.startswith("loaded from") for n in wider["notes"])
+    assert path.read_bytes() == before
+    beside = [p for p in path.parent.iterdir() if p != path]
+    assert [p.name for p in beside] == [f"gpt.{optsched.load_plan(beside[0]).fingerprint['hash'][:12]}.json"]
+    assert "1000x320" in json.dumps(optsched.load_plan(beside[0]).fingerprint["nodes"])
+    again = _run(320, path)
+    assert f"loaded from {beside[0]}" in again["notes"] and again["fw"] == wider["fw"]
 
 
 def _gpt(width=128):
@@ -118,7 +128,111 @@ def test_corrupted_or_edited_files_are_refused(tmp_path):
         optsched.load_plan(tmp_path / "missing.json")
 
 
-def test_writes_are_atomic_and_leave_an_ordinary_file(tmp_path):
+def test_a_plan_file_that_is_not_utf8_is_a_plan_file_error_naming_it(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xff\xfe{\x00}\x00")
+    message = rf"{re.escape(str(path))} is not a plan file: not UTF-8 JSON \(byte 0 is 0xff\)"
+    with pytest.raises(optsched.PlanFileError, match=message):
+        optsched.load_plan(path)
+    model, inputs = _mlp()
+    opt = optsched.optimize(model, None, plan=path, time_limit_s=2)
+    with pytest.raises(optsched.PlanFileError, match=message):  # the first call reads it
+        opt(*inputs)
+    assert path.read_bytes() == b"\xff\xfe{\x00}\x00"  # not overwritten
+
+
+def _count_solves(monkeypatch) -> list:
+    from optsched.planner import Planner
+
+    solves = []
+    solve = Planner._solve_graph
+
+    def counted(self, *args, **kwargs):
+        solves.append(args[2] if len(args) > 2 else None)
+        return solve(self, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "_solve_graph", counted)
+    return solves
+
+
+def test_a_plan_file_keeps_every_input_shape_and_replays_each(tmp_path, monkeypatch):
+    """Two batch sizes alternating through plan=PATH (a smaller last batch): each shape is planned once, in its
+    own file (PATH, and one beside it named by the graph's fingerprint); a fresh optimize() replays both."""
+    solves = _count_solves(monkeypatch)
+    path = tmp_path / "mlp.json"
+    model, (x,) = _mlp()
+    loaded = []
+    for _ in range(2):
+        opt = optsched.optimize(model, None, plan=path, time_limit_s=2)
+        for step in range(4):
+            model.zero_grad(set_to_none=True)  # a training loop: each step starts without gradients
+            opt(x if step % 2 == 0 else x[:5]).backward()
+            loaded.append(next((n for n in opt.plan.stats.notes if n.startswith("loaded from")), None))
+    assert len(solves) == 2, solves
+    files = sorted(tmp_path.iterdir())
+    beside = [p for p in files if p != path]
+    assert len(files) == 2 and len(beside) == 1, files
+    fp_small = optsched.load_plan(beside[0]).fingerprint["hash"]
+    assert beside[0].name == f"mlp.{fp_small[:12]}.json"
+    assert optsched.load_plan(path).fingerprint["hash"] != fp_small
+    assert loaded[:4] == [None] * 4  # the first optimize() planned both shapes (and kept each program)
+    assert loaded[4:] == [f"loaded from {path}", f"loaded from {beside[0]}"] * 2
+
+    # replan: a changed budget plans each shape again once, each overwriting only its own file
+    solves.clear()
+    for _ in range(2):
+        opt = optsched.optimize(model, "1GB", plan=path, time_limit_s=2, on_mismatch="replan")
+        for step in range(4):
+            model.zero_grad(set_to_none=True)  # a training loop: each step starts without gradients
+            opt(x if step % 2 == 0 else x[:5]).backward()
+    assert len(solves) == 2, solves
+    assert sorted(tmp_path.iterdir()) == files
+    assert {optsched.load_plan(p).data["made_for"]["budget"] for p in files} == {"1GB"}
+    model.zero_grad(set_to_none=True)  # the step the files hold (one with gradients to add to has files of its own)
+    with pytest.raises(optsched.PlanMismatchError, match=r"budget: the plan has '1GB', this run wants 'none'"):
+        optsched.optimize(model, None, plan=path)(x[:5])  # the error names the small shape's file
+    with pytest.raises(optsched.PlanMismatchError, match=re.escape(f"plan file {beside[0]} does not match")):
+        optsched.optimize(model, None, plan=path)(x[:5])
+
+
+def test_a_graph_with_other_ops_is_a_mismatch_naming_the_node(tmp_path):
+    """Not another shape: the file's plan cannot serve it, and nothing is written beside it."""
+    path = tmp_path / "step.json"
+
+    def relu_step(x, w):
+        return (x @ w).relu().sum()
+
+    def tanh_step(x, w):
+        return (x @ w).tanh().sum()
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    optsched.optimize(relu_step, None, plan=path, time_limit_s=2)(x, w).backward()
+    w.grad = None  # the same start as the file's step (one that accumulates has files of its own)
+    with pytest.raises(optsched.PlanMismatchError, match=r"graph node \d+ differs: the plan has relu .*the graph now has tanh"):
+        optsched.optimize(tanh_step, None, plan=path, time_limit_s=2)(x, w)
+    assert [p.name for p in tmp_path.iterdir()] == ["step.json"]
+    optsched.optimize(tanh_step, None, plan=path, time_limit_s=2, on_mismatch="replan")(x, w).backward()
+    assert [p.name for p in tmp_path.iterdir()] == ["step.json"]
+    assert "tanh" in json.dumps(optsched.load_plan(path).fingerprint["nodes"])
+
+
+def test_files_beside_a_plan_path_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    from optsched.plans import cache
+
+    monkeypatch.setattr(cache, "SHAPES_PER_PATH", 3)
+    main = tmp_path / "gpt.json"
+    main.write_text("{}")
+    other = tmp_path / "other.0123456789ab.json"
+    other.write_text("{}")
+    beside = [cache.shape_path(main, f"{i:012x}") for i in range(5)]
+    for i, p in enumerate(beside):
+        p.write_text("{}")
+        os.utime(p, (1000 + i, 1000 + i))
+    os.utime(beside[0], (5000, 5000))  # replayed last: kept
+    removed = cache.prune_shapes(beside[1])  # just written: kept
+    assert sorted(removed) == sorted([beside[2], beside[3]])
+    assert main.exists() and other.exists() and all(p.exists() for p in (beside[0], beside[1], beside[4]))
+
     model, inputs = _gpt()
     opt = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2)
     path = opt.plan.save(tmp_path / "sub" / "p.json")
@@ -131,6 +245,120 @@ def test_writes_are_atomic_and_leave_an_ordinary_file(tmp_path):
     assert pf.fingerprint["hash"] == opt.plan.fingerprint["hash"]
     for key in ("fw_order", "bw_order", "offload", "fusion_groups", "recomputed", "offloaded", "ops"):
         assert key in pf.data["decisions"]
+
+
+_KILLED_WRITER = """
+import sys, time
+import optsched.plans.file_format as ff
+ff.os.fsync = lambda fd: (print("writing", flush=True), time.sleep(600))  # killed while writing
+ff.write_plan_file(ff.seal({"pad": "x" * 100000}), sys.argv[1])
+"""
+
+
+def _killed_writers(path: Path, n: int) -> None:
+    """`n` processes writing `path` at once, killed (SIGKILL) in the middle: each leaves its temporary file
+    (one at a time, each writer would remove the one killed before it)."""
+    import signal
+
+    procs = []
+    for _ in range(n):
+        procs.append(subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path)], stdout=subprocess.PIPE,
+                                      text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}))
+        assert procs[-1].stdout.readline().strip() == "writing"
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+
+
+def test_temporary_files_of_killed_writers_are_removed_at_the_next_write(tmp_path):
+    from optsched.plans.file_format import _host, remove_stale_temps
+
+    path = tmp_path / "p.json"
+    _killed_writers(path, 3)
+    temps = sorted(tmp_path.glob(".p.json.*.tmp"))
+    assert len(temps) == 3 and not path.exists()
+    host = _host()
+    assert all(re.fullmatch(rf"\.p\.json\.[0-9]+@{host}\.[a-z0-9_]{{8}}\.tmp", t.name) for t in temps), temps
+    live = tmp_path / f".p.json.{os.getpid()}@{host}.live1234.tmp"  # this process, writing now
+    live.write_text("")
+    old = tmp_path / ".p.json.abcd1234.tmp"  # an older version's name (no pid): stale after an hour
+    old.write_text("")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    fresh = tmp_path / ".p.json.abcd5678.tmp"  # no pid and new: maybe a live writer's, kept
+    fresh.write_text("")
+    not_ours = tmp_path / ".q.json.abcd1234.tmp"  # another file's temporary file: not this write's business
+    not_ours.write_text("")
+    os.utime(not_ours, (time.time() - 7200, time.time() - 7200))
+    write_plan_file(seal({"x": 1}), path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["p.json", live.name, fresh.name, not_ours.name]), left
+    assert remove_stale_temps(tmp_path, "p.json", max_age_s=0) == 2  # by age alone, live ones go too
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.json", not_ours.name])
+
+
+def _cache_files(folder: Path, n: int, size: int = 1000) -> list[Path]:
+    files = []
+    for i in range(n):
+        p = folder / f"{i:020x}-{i:012x}.json"
+        p.write_bytes(b"x" * size)
+        os.utime(p, (1000 + i, 1000 + i))  # older first
+        files.append(p)
+    return files
+
+
+def test_the_plan_cache_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    from optsched.plans import cache
+    from optsched.plans.file_format import _host
+
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_FILES", "4")
+    files = _cache_files(tmp_path, 6)
+    os.utime(files[0], (9000, 9000))  # the oldest file was replayed last
+    stranger = tmp_path / "notes.json"  # not a cache file: never removed
+    stranger.write_text("{}")
+    live = tmp_path / f".{files[1].name}.{os.getpid()}@{_host()}.abcd1234.tmp"  # this process, writing now
+    live.write_text("")
+    assert cache.cache_limits() == (4, cache.CACHE_MAX_BYTES)
+    removed = cache.prune_cache(keep=files[2])  # just written: kept whatever its age
+    assert sorted(removed) == sorted([files[1], files[3]])
+    assert all(p.exists() for p in (files[0], files[2], files[4], files[5], stranger, live))
+
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_FILES", "100")
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_BYTES", "2.5kB")
+    assert cache.cache_limits() == (100, 2500)
+    assert sorted(cache.prune_cache()) == sorted([files[2], files[4]])  # the two most recently used fit
+    assert sorted(p.name for p in tmp_path.glob("0*.json")) == sorted([files[0].name, files[5].name])
+
+
+def test_a_bad_cache_limit_warns_once_and_the_default_holds(monkeypatch):
+    from optsched.plans import cache
+
+    monkeypatch.setattr(cache, "_reported_limits", set())
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_FILES", "many")
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_BYTES", "-1GiB")
+    with pytest.warns(optsched.PlanCacheWarning) as caught:
+        assert cache.cache_limits() == (cache.CACHE_MAX_FILES, cache.CACHE_MAX_BYTES)
+        assert cache.cache_limits() == (cache.CACHE_MAX_FILES, cache.CACHE_MAX_BYTES)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 2 and "OPTSCHED_CACHE_MAX_FILES='many'" in texts[0] and "'-1GiB'" in texts[1], texts
+
+
+def test_saving_into_the_plan_cache_prunes_it_and_replays_touch_their_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_FILES", "3")
+    old = _cache_files(tmp_path, 3)
+    _killed_writers(tmp_path / old[0].name, 2)
+    model, inputs = _mlp()
+    opt = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2, plan="auto")
+    ours = [p for p in tmp_path.glob("*.json") if p not in old]
+    assert len(ours) == 1 and sorted(tmp_path.glob("*.json")) == sorted([ours[0], old[1], old[2]])
+    assert not list(tmp_path.glob(".*.tmp"))  # the killed writers' temporary files are gone
+    os.utime(ours[0], (1, 1))  # as if long unused ...
+    again = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2, plan="auto")
+    assert any(n.startswith("loaded from") for n in again.plan.stats.notes)
+    assert ours[0].stat().st_mtime > time.time() - 600  # ... until replayed now
+    assert opt.plan is not None
 
 
 def test_the_plan_cache_keys_plans_by_graph_budget_and_profile(tmp_path, monkeypatch):
@@ -268,6 +496,7 @@ MAY_BE_MISSING = {
     "made_for.budget_from", "made_for.budget_resolved_bytes", "made_for.budget_reference", "made_for.outputs",
     "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage", "summary.bound_valid_for",
     "summary.chunks",  # written since issue 16 (chunking)
+    "made_for.grads_at_start", "summary.grads_at_start",  # written since issue 24 (accumulation)
     "timeline.unplanned_steps_per_point", "timeline.unplanned_n_steps", "timeline.unplanned_n_forward_steps",
 }
 NAME_KEYED = {"costs", "decisions.offload"}  # objects keyed by op or tensor names, not by field names
@@ -278,8 +507,9 @@ ROWS = r'fingerprint\.nodes\[0\]|costs\["[^"]*"\](\[2\]\[0\])?'  # lists with a 
 def full_plan(tmp_path_factory):
     """A real plan file with every section filled: offloads and recomputations (an offline H100 plan),
     a percentage budget (its reference recorded)."""
-    cfg = gpt.GPTConfig(n_layer=2, n_embd=128)
-    plan = optsched.plan_offline(lambda: gpt.build(cfg), lambda: gpt.make_batch(cfg, batch_size=4), "60%",
+    # activations well above an H100 step's two 32 MiB cuBLAS workspaces, so that 60% is a budget
+    cfg = gpt.GPTConfig(n_layer=4, n_embd=256)
+    plan = optsched.plan_offline(lambda: gpt.build(cfg), lambda: gpt.make_batch(cfg, batch_size=16), "60%",
                                  device_profile="h100", offload=True, time_limit_s=2)
     path = plan.save(tmp_path_factory.mktemp("typed") / "full.json")
     data = json.loads(path.read_text())

@@ -84,3 +84,21 @@ def test_a_step_without_gradients_keeps_its_own_plan():
     model.zero_grad(set_to_none=True)
     loss(opt).backward()
     assert opt.plan is first
+
+
+def test_accumulation_steps_have_their_own_plan_file(tmp_path):
+    """plan=PATH: the step from None in PATH, the accumulating one beside it; a fresh optimize() replays both."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1), torch.nn.Flatten(0))
+    x = torch.randn(32, 64)
+    path = tmp_path / "mlp.json"
+    loaded = []
+    for _ in range(2):
+        opt = optsched.optimize(model, None, plan=path, time_limit_s=2)
+        model.zero_grad(set_to_none=True)
+        for _micro in range(2):
+            opt(x).sum().backward()
+            loaded.append(any(n.startswith("loaded from") for n in opt.plan.stats.notes))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.accumulate.json", "mlp.json"]
+    assert optsched.load_plan(tmp_path / "mlp.accumulate.json").data["made_for"]["grads_at_start"] is True
+    assert optsched.load_plan(path).data["made_for"]["grads_at_start"] is False
+    assert loaded == [False, False, True, True]

@@ -11,7 +11,9 @@ Dynamo cannot put into a graph stops the capture. Three things here:
   reads the set while tracing and guards on nothing about it, so the patch neither recompiles
   nor outlives the call). Those calls are dropped from the captured step: they are not emitted
   while it runs. Dynamo's graph-break exceptions become a `CaptureError` naming the user's
-  file and line, the construct and the fix, with Dynamo's exception chained.
+  file and line, the construct and the fix, with Dynamo's exception chained. An exception the
+  user's own code raises (`raise ValueError("bad input")` in forward) is not a graph break: the call
+  is run as written, and that exception reaches the caller as itself.
 - `check_static_sizes(gm)`: called by the backend on the graph Dynamo hands it, before any
   planning code: a value whose size depends on tensor data (boolean-mask indexing, nonzero,
   unique, a size taken from `.item()`) gets a `CaptureError` naming its source line.
@@ -98,8 +100,13 @@ def logging_ignored():
             logging.getLogger._dynamo_marked_constant = marked
 
 
-def capturing(compiled: Callable) -> Callable:
-    """`compiled` with logging ignored while Dynamo traces and graph breaks as CaptureError."""
+def capturing(compiled: Callable, eager: Callable | None = None) -> Callable:
+    """`compiled` with logging ignored while Dynamo traces and graph breaks as CaptureError.
+
+    `eager`: the callable `compiled` compiles. When the user's own code raises while Dynamo traces it
+    (`raise ValueError("bad input")` in forward: Dynamo reports an "Observed exception", not the exception),
+    the call is run as written instead, so the user's exception reaches the caller as itself (type, message,
+    traceback), as it would without optsched; should it not raise when run, the CaptureError stands."""
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
@@ -107,14 +114,35 @@ def capturing(compiled: Callable) -> Callable:
             with logging_ignored():
                 return compiled(*args, **kwargs)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            raise from_dynamo(e) from e
+            error = from_dynamo(e)
+            error.__cause__ = e
+            if eager is None or user_exception_type(e) is None:
+                raise error from e
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, CaptureError):  # raised by check_static_sizes in our backend
                 raise inner from None
             raise
+        # outside the except clause: the user's exception is raised without Dynamo's as its context
+        eager(*args, **kwargs)
+        raise error
 
     return call
+
+
+def user_exception_type(e: BaseException) -> type[BaseException] | None:
+    """The type of the exception the user's code raised while Dynamo traced it, when `e` (a graph break) is
+    Dynamo's report of one ("Observed exception": the code raised and nothing in the step caught it); else None."""
+    observed = getattr(torch._dynamo.exc, "ObservedException", None)
+    if observed is None or not str(getattr(e, "gb_type", "") or "").startswith("Observed exception"):
+        return None
+    types_of = {v: k for k, v in getattr(torch._dynamo.exc, "observed_exception_map", {}).items()}
+    cause = e.__cause__
+    while cause is not None and not isinstance(cause, observed):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    return next((types_of[t] for t in type(cause).__mro__ if t in types_of), BaseException)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,14 +31,17 @@ import sys
 
 from .args import (
     BUDGET_FORMS,
+    DPI_RANGE,
     DTYPES,
     CliError,
     budget_arg,
+    dpi,
     factory_target,
     input_specs,
     json_object,
     positive_int,
     seconds,
+    values_first,
 )
 from .plan import bind_kwargs, cmd_plan, load_factory, make_inputs
 from .render import (
@@ -59,6 +62,13 @@ __all__ = [
     "cmd_show", "cmd_timeline", "diff_report", "factory_target", "input_specs", "json_object", "load_factory",
     "main", "make_inputs", "positive_int", "print_diff", "print_show", "seconds", "show_rows",
 ]
+
+
+class _Parser(argparse.ArgumentParser):
+    """`--budget -5%` reads -5% as the budget (then refused: budgets are positive), not as an option."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(values_first(list(sys.argv[1:] if args is None else args)), namespace)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -94,9 +104,9 @@ examples:
 
 exit status: 0 written; 1 no plan meets the budget (the lowest peak found and a proven
 lower bound are printed), the model failed while being planned, or the plan could not be
-written after all; 2 bad arguments (including a module that does not import, a factory it
-does not have, or an output file that cannot be written: checked before planning);
-130 interrupted (Ctrl-C; nothing is written).
+written after all; 2 bad arguments (including a budget that is not positive, a module that
+does not import, or whose own imports fail, a factory it does not have, or an output file
+that cannot be written: checked before planning); 130 interrupted (Ctrl-C; nothing is written).
 """
 
 SHOW_DESCRIPTION = """\
@@ -125,14 +135,14 @@ host memory (from the step its device copy is dropped to the step it is fetched 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="optsched",
         formatter_class=_Formatter,
         description="Plan a PyTorch training step's memory (order, save/recompute/offload, fusion) "
                     "and read the plan files.",
         epilog="""\
-`optsched COMMAND --help` describes each. Errors reading a plan file (missing, not JSON,
-checksum mismatch) print one line and exit with status 2.
+`optsched COMMAND --help` describes each. Errors reading a plan file (missing, not UTF-8
+JSON, checksum mismatch) print one line and exit with status 2.
 
 examples:
   optsched plan benchmarks.models.gpt:build --kwargs '{"cfg": {"n_layer": 2}}' \\
@@ -191,8 +201,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show the live solver line (elapsed, best estimate, bound, gap) on stderr (default: on)")
     p.add_argument("--traceback", action="store_true",
-                   help="when the model fails while being planned, show the full Python traceback "
-                        "instead of one line")
+                   help="when the model's module fails to import or the model fails while being planned, "
+                        "show the full Python traceback instead of one line")
     p.set_defaults(func=cmd_plan)
 
 
@@ -201,7 +211,7 @@ def _add_show(sub) -> None:
     p = sub.add_parser("show", help="a plan file's summary: peak vs budget and unplanned, time, decisions, solver status",
                        description=SHOW_DESCRIPTION,
                        epilog="example:\n  optsched show plan.json\n\nexit status: 0 shown; 2 the file is "
-                              "missing, not JSON, or fails its checksum.",
+                              "missing, not UTF-8 JSON, or fails its checksum.",
                        formatter_class=_Formatter)
     p.add_argument("plan", metavar="PLAN.json", help="a plan file (from `optsched plan`, Plan.save or optimize(plan=...))")
     p.set_defaults(func=cmd_show)
@@ -212,7 +222,7 @@ def _add_diff(sub) -> None:
     p = sub.add_parser("diff", help="what differs between two plan files: settings, graph, figures, decisions",
                        description=DIFF_DESCRIPTION,
                        epilog="example:\n  optsched diff plan_70.json plan_50.json\n\nexit status: 0 compared "
-                              "(whether or not they differ); 2 a file is missing, not JSON, or fails its checksum.",
+                              "(whether or not they differ); 2 a file is missing, not UTF-8 JSON, or fails its checksum.",
                        formatter_class=_Formatter)
     p.add_argument("a", metavar="A.json", help="the first plan file (column A)")
     p.add_argument("b", metavar="B.json", help="the second plan file (column B; deltas are B - A)")
@@ -224,13 +234,16 @@ def _add_timeline(sub) -> None:
     p = sub.add_parser("timeline", help="a PNG of the predicted device memory over the step",
                        description=TIMELINE_DESCRIPTION,
                        epilog="example:\n  optsched timeline plan.json -o timeline.png\n\nexit status: 0 written; "
-                              "2 the file is missing, not JSON, or fails its checksum.",
+                              "1 the image could not be written after all; 2 bad arguments: the plan file is "
+                              "missing, not UTF-8 JSON, or fails its checksum, the output is a folder or cannot "
+                              "be written (missing folders are created), or --dpi is out of range.",
                        formatter_class=_Formatter)
     p.add_argument("plan", metavar="PLAN.json", help="a plan file")
     p.add_argument("-o", "--output", default="timeline.png", metavar="FILE.png",
-                   help="image to write (PNG; default: timeline.png)")
-    p.add_argument("--dpi", type=positive_int, default=120, metavar="N",
-                   help="resolution in dots per inch (default: 120, about 1700x1000 pixels)")
+                   help="image to write (PNG; default: timeline.png; missing folders are created)")
+    p.add_argument("--dpi", type=dpi, default=120, metavar="N",
+                   help=f"resolution in dots per inch, {DPI_RANGE[0]} to {DPI_RANGE[1]} "
+                        "(default: 120, about 1700x1000 pixels)")
     p.set_defaults(func=cmd_timeline)
 
 

@@ -72,6 +72,8 @@ BUDGET_FORMS = ("a percentage of the unplanned peak (60%), a size (12GB, 512MiB,
 def budget_arg(text: str):
     if text.strip().lower() in ("none", ""):
         return parse_budget(None)
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text.strip()!r}: a budget must be positive; use {BUDGET_FORMS}")
     try:
         return parse_budget(text, name="--budget")
     except ValueError as e:
@@ -104,6 +106,41 @@ def positive_int(text: str) -> int:
     if not re.fullmatch(r"[0-9]+", text.strip()) or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
     return int(text)
+
+
+DPI_RANGE = (10, 600)  # 600 dpi: about 8400x4200 pixels, 140 MB to render; beyond, the renderer runs out of memory
+
+
+def dpi(text: str) -> int:
+    """--dpi: a whole number in DPI_RANGE."""
+    low, high = DPI_RANGE
+    if not re.fullmatch(r"[0-9]+", text.strip()) or not low <= int(text) <= high:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a resolution from {low} to {high} dots per inch (e.g. 120)")
+    return int(text)
+
+
+VALUE_OPTIONS = ("--budget",)  # options whose values may begin with '-' ("-5%"): read as values (see values_first)
+
+
+def values_first(argv: list[str]) -> list[str]:
+    """`--budget -5%` as `--budget=-5%`: argparse takes a value that begins with '-' and is not a plain
+    negative number for an option and says "expected one argument"; joined, the value reaches its type,
+    which says what is wrong with it. Only a value that looks like a negative number is joined
+    (`--budget --profile cpu` still lacks its value), and nothing after `--`. Abbreviations (`--bud`) too."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        is_value_option = arg.startswith("--") and len(arg) > 2 and any(o.startswith(arg) for o in VALUE_OPTIONS)
+        if is_value_option and i + 1 < len(argv) and re.match(r"-\s*[0-9.]", argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def json_object(text: str) -> dict:

@@ -51,8 +51,9 @@ def bind_kwargs(factory, kwargs: dict) -> dict:
     return out
 
 
-def load_factory(target: str):
-    """'package.module:factory' (or 'module:Class', 'module:obj.attr') -> the callable."""
+def load_factory(target: str, traceback: bool = False):
+    """'package.module:factory' (or 'module:Class', 'module:obj.attr') -> the callable. A module that does not
+    import (not found, or its own code or imports fail) is a CliError with status 2 (`traceback`: raised as is)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"{target!r} is not MODULE:FACTORY (e.g. benchmarks.models.gpt:build)", 2)
@@ -65,7 +66,16 @@ def load_factory(target: str):
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise CliError(f"cannot import module {module_name!r} (from {target!r}): {e}; "
                            "run from the folder that contains it or set PYTHONPATH", 2) from None
-        raise
+        if traceback:
+            raise
+        raise CliError(f"cannot import module {module_name!r} (from {target!r}): {_where(e)}{type(e).__name__}: {e} "
+                       "(install what it needs; --traceback shows where)", 2) from None
+    except Exception as e:  # noqa: BLE001 - the module's own code: a SyntaxError, an ImportError, any error at import
+        if traceback:
+            raise
+        message = e.msg if isinstance(e, SyntaxError) else e
+        raise CliError(f"cannot import module {module_name!r} (from {target!r}): {_where(e)}{type(e).__name__}: "
+                       f"{message} (--traceback shows where)", 2) from None
     try:
         obj = functools.reduce(getattr, attr.split("."), module)
     except AttributeError:
@@ -76,6 +86,16 @@ def load_factory(target: str):
     if not callable(obj):
         raise CliError(f"{target!r} is a {type(obj).__name__}, not a callable that returns a module", 2)
     return obj
+
+
+def _where(e: BaseException) -> str:
+    """'file.py:12: ', the innermost frame of the module's own code where it failed (not importlib's)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename and "<frozen" not in f.filename]
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}: "
+    return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
 
 
 def _module_of(result):
@@ -110,7 +130,7 @@ def cmd_plan(args, parser) -> int:
     from ..capture.offline import plan_offline
     from ..solvers import BudgetInfeasibleError
 
-    factory = load_factory(args.target)
+    factory = load_factory(args.target, traceback=args.traceback)
     kwargs = bind_kwargs(factory, args.kwargs or {})
     specs = args.inputs
 

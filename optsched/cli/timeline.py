@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..plans.cache import check_writable
 from ..plans.file_format import TIMELINE_POINTS, load_plan
 from .args import CliError
 
@@ -333,10 +334,16 @@ def _subtitle(s: dict, peak, budget, unplanned_peak) -> str:
 
 def cmd_timeline(args, parser) -> int:
     pf = load_plan(args.plan)
+    unwritable = check_writable(args.output)  # before drawing: a folder, a file in the way, no permission
+    if unwritable is not None:
+        raise CliError(f"cannot write the image to {args.output}: {unwritable}", 2)
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise CliError(f"the timeline needs matplotlib ({e}): pip install 'optsched[plot]'") from None
-    out = plot_timeline(pf.data, args.output, dpi=args.dpi)
+    try:
+        out = plot_timeline(pf.data, args.output, dpi=args.dpi)
+    except OSError as e:  # writable when checked, not now (disk full, permissions changed)
+        raise CliError(f"cannot write the image to {args.output}: {e.strerror or e}", 1) from None
     print(f"wrote {out} (predicted memory of {args.plan} over the step)")
     return 0

@@ -142,6 +142,7 @@ class Summary:
     output_usage: str | None = None
     bound_valid_for: str | None = None  # written since issue 14
     chunks: dict[str, int] | None = None  # written since issue 16 (chunking)
+    grads_at_start: bool = False  # written since accumulation steps are planned apart (issue 24)
 
 
 @dataclass(frozen=True, kw_only=True)

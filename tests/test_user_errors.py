@@ -1,0 +1,91 @@
+"""Errors that tell the truth (issue 26): what the user's own code raises reaches the user as itself, and
+optimizing what optimize() returned optimizes the original instead of tracing optsched."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import optsched
+from optsched.capture.errors import CaptureError
+
+
+class _RaisesOnLargeBatches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            raise ValueError("bad input")
+        return self.linear(x).square().mean()
+
+
+def test_a_value_error_raised_in_forward_reaches_the_caller_as_itself():
+    model = _RaisesOnLargeBatches()
+    opt = optsched.optimize(model, None, time_limit_s=2)
+    with pytest.raises(ValueError, match="^bad input$") as raised:
+        opt(torch.randn(6, 8))
+    assert not isinstance(raised.value, CaptureError)
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert frames[-1].filename == __file__ and frames[-1].name == "forward"  # raised by the user's line
+    assert raised.value.__context__ is None  # Dynamo's report is not chained to it
+    opt(torch.randn(3, 8)).backward()  # the optimized module still plans and runs other calls
+    assert opt.plan is not None and model.linear.weight.grad is not None
+
+
+def test_a_users_own_exception_class_raised_in_a_function_reaches_the_caller():
+    class BatchTooSmall(Exception):
+        pass
+
+    def step(x, w):
+        if x.shape[0] < 2:
+            raise BatchTooSmall(f"need 2 rows, got {x.shape[0]}")
+        return (x @ w).relu().sum()
+
+    w = torch.randn(4, 4, requires_grad=True)
+    opt = optsched.optimize(step, None, time_limit_s=2)
+    with pytest.raises(BatchTooSmall, match="need 2 rows, got 1"):
+        opt(torch.randn(1, 4), w)
+    opt(torch.randn(3, 4), w).backward()
+    assert w.grad is not None
+
+
+def test_a_graph_break_is_still_a_capture_error():
+    def step(x):
+        print("tracing")
+        return x.sin().sum()
+
+    with pytest.raises(CaptureError, match=r"print\(\.\.\.\)"):
+        optsched.optimize(step, None, time_limit_s=2)(torch.randn(3, requires_grad=True))
+
+
+def test_optimizing_an_optimized_function_optimizes_the_original_with_a_warning():
+    def step(x, w):
+        return (x @ w).relu().sum()
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16, requires_grad=True)
+    inner = optsched.optimize(step, None, time_limit_s=2)
+    with pytest.warns(UserWarning, match=r"optimize\(\) got a function .*step.* that optimize\(\) already returned: "
+                                         r"the original is optimized with these settings"):
+        outer = optsched.optimize(inner, "1GB", time_limit_s=2)
+    assert outer.__wrapped__ is step
+    outer(x, w).backward()
+    assert outer.plan is not None and outer.plan.budget_spec == "1GB"
+    assert torch.allclose(w.grad, torch.func.grad(lambda w: step(x, w))(w))
+    inner(x, w)  # the earlier one still works as it was
+    assert inner.plan is not None and inner.plan.budget_spec == "none"
+
+
+def test_optimizing_an_optimized_module_warns_and_plans_with_the_new_settings():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    x = torch.randn(8, 16)
+    inner = optsched.optimize(model, None, time_limit_s=2)
+    with pytest.warns(UserWarning, match=r"optimize\(\) got a module Sequential that optimize\(\) already returned"):
+        outer = optsched.optimize(inner, "1GB", time_limit_s=2)
+    outer(x).sum().backward()
+    assert outer.plan.budget_spec == "1GB"
+    assert outer[0].weight is model[0].weight and model[0].weight.grad is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -139,6 +140,7 @@ class Dispatcher:
             torch.is_grad_enabled(),
             module.training if module is not None else None,
             grads_at_start(module, args, kwargs),
+            _autocast_state(),
             _signature(args, kwargs),
             self.extra_key(args, kwargs),
         )
@@ -206,8 +208,10 @@ class Dispatcher:
                     dispatcher.usage[base] = wanted
             warn_if_underplanned(seen, planned, s.budget.spec is not None)
 
+        # the budget as this signature's programs see it: a forward-only one takes its training program's bytes
+        resolution = self.resolution.for_shapes(_shapes_key(base))
         return PlanningBackend(
-            self.settings, on_plan, resolution=self.resolution, carried=self.carried, usage=usage, on_usage=on_usage,
+            self.settings, on_plan, resolution=resolution, carried=self.carried, usage=usage, on_usage=on_usage,
             grads_at_start=bool(base and base[2]),
         )
 
@@ -243,6 +247,25 @@ def grads_at_start(module: torch.nn.Module | None, args: tuple, kwargs: dict) ->
         return any(p.grad is not None for p in module.parameters())
     leaves, _ = tree_flatten((args, kwargs))
     return any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in leaves)
+
+
+def _autocast_state() -> tuple:
+    """Autocast on or off, and its dtype, per device type: another program (and plan) when it changes, so
+    `.plan` always describes the program that ran (Dynamo alone would recompile under the same entry)."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
+def _shapes_key(base: tuple | None) -> str | None:
+    """What a training program and the forward-only programs that evaluate it share, from a key's base (its
+    last two parts: `_signature` and `extra_key`): the signature without requires_grad (grad mode, train/eval
+    mode, accumulation and autocast are other parts), hashed so that copies in other processes match it.
+    BudgetResolution keys a percentage's training bytes by it."""
+    if not base:
+        return None
+    signature, extra = base[-2], base[-1]
+    shapes = tuple(p[:-1] if isinstance(p, tuple) and len(p) == 6 and isinstance(p[0], type)
+                   and issubclass(p[0], torch.Tensor) else p for p in signature)
+    return hashlib.sha256(repr((shapes, extra)).encode()).hexdigest()[:16]
 
 
 def _signature(args: tuple, kwargs: dict) -> Hashable:
@@ -357,9 +380,11 @@ def optimize(
     first call, plus what the step's inputs already hold there, less a headroom of 5% of
     the device, at least 256 MiB; see optsched.budget.auto_budget), or None (fastest
     plan, lowest peak among the fastest).
-    A percentage is resolved once, against the first training program planned, and
-    means those bytes for every later program (eval, no_grad, other shapes); a
-    forward-only program planned before any training program takes it of its own peak.
+    A percentage is a share of each training program's own unplanned peak: every input
+    signature (batch size, sequence length) gets that share of its own step, in whatever
+    order the shapes come. A forward-only program (eval, no_grad) takes the bytes of the
+    training program of the same shapes, else of the largest training program planned so
+    far, else (nothing trained yet) the percentage of its own peak.
 
     A module comes back as a module of the same class that shares the original's
     parameters, buffers and submodules; its copies (copy, deepcopy, pickle, torch.save)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,6 +102,10 @@ class Target:
             device, measure, profile, default_offload(settings.offload, device.type),
             host_budget_bytes(settings.host_budget), get_executor(settings.executor, device),
         )
+
+
+class ScratchNotMeasuredWarning(UserWarning):
+    """A plan made while another profiler ran: kernel scratch space is unknown (counted as 0)."""
 
 
 class Planner:
@@ -196,12 +201,14 @@ class Planner:
 
     def made_for(self, name: str) -> dict:
         """What a plan file must have been made for (its output usage is checked apart: see `plan`).
-        A percentage budget adds how it resolves now (its fixed bytes, or this program's own peak), so a
-        plan is never reused for other bytes (and the plan cache keys them apart)."""
+        A percentage budget adds how it resolves for this program (a share of its own peak, or the bytes a
+        forward-only program takes from a training program: BudgetResolution.made_for), so a plan is never
+        reused for other bytes (and the plan cache keys them apart)."""
         t = self.target
         return {"kind": "training" if name == "training step" else "inference", "budget": str(self.settings.budget),
                 "device_profile": t.profile.name, "executor": t.executor.name, "offload": t.offload,
-                "grads_at_start": self.grads_at_start and name == "training step", **self.resolution.made_for()}
+                "grads_at_start": self.grads_at_start and name == "training step",
+                **self.resolution.made_for(training=name == "training step")}
 
     def fuse(
         self, jg: JointGraph, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None, *,
@@ -240,8 +247,12 @@ class Planner:
         else:
             plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
         if costs is not None and not costs.scratch_measured:
-            plan.stats.notes.append("planned while another profiler was running: kernel scratch space was not measured "
-                                    "(counted as 0) and no op writes into a dying input")
+            note = ("planned while another profiler was running: kernel scratch space was not measured "
+                    "(counted as 0) and no op writes into a dying input")
+            plan.stats.notes.append(note)
+            warnings.warn(f"optsched: {note}, so a step can peak above its prediction by its kernels' scratch space; "
+                          "plan outside the profiling session (one step before it) for measured scratch",
+                          ScratchNotMeasuredWarning, stacklevel=2)
         if costs is not None and costs.unmeasured:
             first = next(iter(costs.unmeasured.items()))
             plan.stats.notes.append(f"{len(costs.unmeasured)} op(s) could not run alone on made-up inputs and are timed "
@@ -289,7 +300,9 @@ class Planner:
         if best is None:
             low = min(failures, key=lambda e: e.lowest_peak_bytes)
             e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, min(e.lower_bound_bytes for e in failures))
-            e.args = (f"{e.args[0]} (the LM head in any of {', '.join(map(str, counts))} chunks)",)
+            how = self.resolution.explain(baseline.peak_bytes)  # a training program's
+            e.args = (f"{e.args[0]} (the LM head in any of {', '.join(map(str, counts))} chunks)"
+                      + (f"; {how}" if how is not None else ""),)
             raise e
         k, plan, items, g, jgk = best
         names = [c.name for c in find_chains(gm)[0]]
@@ -399,9 +412,9 @@ class Planner:
 
     def _solve(self, problem: Problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
-        from_reference = budget_bytes is None and self.resolution.resolved
+        explained = budget_bytes is None  # the program's own budget (not a chunk trial's): say how it was reached
         if budget_bytes is None:
-            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
+            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes, training=problem.has_backward)
         limit = self.settings.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
@@ -413,9 +426,9 @@ class Planner:
                     problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
-            if from_reference:
-                e.args = (f"{e.args[0]}; {self.resolution.explain()}, and this program's unplanned peak is "
-                          f"{baseline.peak_bytes / 2**20:.2f} MiB",)
+            how = self.resolution.explain(baseline.peak_bytes, training=problem.has_backward) if explained else None
+            if how is not None:
+                e.args = (f"{e.args[0]}; {how}",)
             raise
         t = self.target
         return Plan(
@@ -440,12 +453,14 @@ class Planner:
         return next((pf for pf in self.carried.get(fp["hash"], ()) if pf.describe_mismatch(fp, **wanted) is None), None)
 
     def _record_budget(self, plan: Plan, fp: dict) -> None:
-        """How the budget was resolved, on the plan; the first training program fixes a percentage's bytes
-        (the percentage of its unplanned peak, not a cap the plan itself applied)."""
+        """How the budget was resolved, on the plan; a training program records a percentage's bytes for
+        it (the percentage of its unplanned peak, not a cap the plan itself applied): the bytes the
+        forward-only programs of its shapes take (BudgetResolution)."""
         peak = plan.baseline.peak_bytes
-        plan.budget_from = self.resolution.source(peak, fp["hash"])
-        if plan.kind == "training":
-            self.resolution.fix(self.resolution.bytes_for(peak), peak, fp["hash"])
+        training = plan.kind == "training"
+        plan.budget_from = self.resolution.source(peak, fp["hash"], training=training)
+        if training:
+            self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
 
 
 def _op_ids(built: Built, items: list) -> dict[int, int]:

@@ -102,3 +102,24 @@ def test_accumulation_steps_have_their_own_plan_file(tmp_path):
     assert optsched.load_plan(tmp_path / "mlp.accumulate.json").data["made_for"]["grads_at_start"] is True
     assert optsched.load_plan(path).data["made_for"]["grads_at_start"] is False
     assert loaded == [False, False, True, True]
+
+
+def test_plan_describes_the_program_that_ran_when_autocast_switches():
+    """Autocast off, on, off: each its own program and plan (Dynamo alone would recompile under one entry,
+    leaving `.plan` on the last program compiled)."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
+    x = torch.randn(16, 64)
+    opt = optsched.optimize(model, None, time_limit_s=2)
+
+    def step():
+        for _ in range(2):  # the second step plans for the usage the first one saw
+            model.zero_grad(set_to_none=True)
+            opt(x).float().mean().backward()
+        return opt.plan
+
+    fp32 = step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = step()
+    assert bf16 is not fp32
+    assert any(t.bytes == 16 * 128 * 2 for t in bf16.problem.tensors)  # a bf16 activation
+    assert step() is fp32

@@ -145,7 +145,7 @@ class Dispatcher:
             self.extra_key(args, kwargs),
         )
         # what the caller was last seen doing with this program's outputs (output_usage): a new usage, a new plan
-        return base, self.usage.get(base)
+        return base, self.usage.get(_usage_key(base))
 
     def __call__(self, *args, **kwargs):
         if self.resolution.needs_device:  # mem_budget="auto": the device's memory at the first call fixes the bytes
@@ -181,8 +181,8 @@ class Dispatcher:
         self.entries[key] = entry
         while len(self.entries) > SHAPE_CACHE_SIZE:
             (base, _usage), _dropped = self.entries.popitem(last=False)
-            if not any(b == base for b, _ in self.entries):  # its signature is gone: forget what was seen of it
-                self.usage.pop(base, None)
+            if not any(_usage_key(b) == _usage_key(base) for b, _ in self.entries):  # its signature is gone:
+                self.usage.pop(_usage_key(base), None)  # forget what was seen of it
         return entry
 
     def _backend(self, entry: _Entry, base: Hashable = None, usage: OutputUsage | None = None) -> PlanningBackend:
@@ -203,9 +203,9 @@ class Dispatcher:
             if dispatcher is not None:
                 # the next call with this signature plans for everything seen so far: a caller whose use varies
                 # from step to step (garbage collected late, an extra loss now and then) converges on one plan
-                wanted = seen.union(dispatcher.usage.get(base))
+                wanted = seen.union(dispatcher.usage.get(_usage_key(base)))
                 if wanted != planned:
-                    dispatcher.usage[base] = wanted
+                    dispatcher.usage[_usage_key(base)] = wanted
             warn_if_underplanned(seen, planned, s.budget.spec is not None)
 
         # the budget as this signature's programs see it: a forward-only one takes its training program's bytes
@@ -247,6 +247,12 @@ def grads_at_start(module: torch.nn.Module | None, args: tuple, kwargs: dict) ->
         return any(p.grad is not None for p in module.parameters())
     leaves, _ = tree_flatten((args, kwargs))
     return any(isinstance(a, torch.nn.Parameter) and a.grad is not None for a in leaves)
+
+
+def _usage_key(base: tuple) -> tuple:
+    """What the caller does with the outputs belongs to the signature, not to whether the step accumulates:
+    a micro-batch with gradients present plans for the usage the first micro-batch showed."""
+    return base[:2] + base[3:]
 
 
 def _autocast_state() -> tuple:

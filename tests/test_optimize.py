@@ -251,10 +251,11 @@ def test_example_inputs_plan_at_once_without_side_effects():
     assert torch.equal(first.grad, torch.full_like(first, 7.0))
     assert opt.net[0].weight is first
 
-    first.grad = None
     torch.manual_seed(0)
-    loss = opt(*inputs)
+    loss = opt(*inputs)  # the gradient still there: the step planned (one that accumulates into it)
     assert opt.plan is plan  # the same inputs: no second planning
+    assert plan.summary()["grads_at_start"] is True
+    first.grad = None
     torch.manual_seed(0)
     assert torch.equal(loss, module(*inputs))
 

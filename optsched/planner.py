@@ -23,9 +23,11 @@ call `Planner.plan` from AOTAutograd's hooks; lowering the plan is theirs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,6 +78,39 @@ def host_budget_bytes(host_budget: Budget | None) -> int:
 def default_offload(offload: bool | None, device_type: str) -> bool:
     """None: offload where host memory is really another memory (on CUDA, not on CPU)."""
     return device_type == "cuda" if offload is None else offload
+
+
+COST_CACHE_SIZE = 8  # graphs whose measured op costs one optimized callable keeps (CostCache)
+
+
+class CostCache:
+    """Measured op costs by graph, the COST_CACHE_SIZE most recent: shared by the planners of one optimized
+    callable, so a program planned again for the same graph (the caller used its outputs otherwise than the
+    first plan assumed: capture/output_usage.py) reuses the op times, scratch space and in-place checks
+    measured the first time instead of running every op again. Keyed by the graph's fingerprint hash, its
+    node names (what the costs are keyed by) and the device."""
+
+    def __init__(self, size: int = COST_CACHE_SIZE):
+        self.size = size
+        self.entries: OrderedDict[tuple[str, str, str], NodeCosts] = OrderedDict()
+
+    @staticmethod
+    def key(gm: fx.GraphModule, device: torch.device) -> tuple[str, str, str]:
+        fp = fingerprint(gm)
+        names = hashlib.sha256("\n".join(row[0] for row in fp["nodes"]).encode()).hexdigest()
+        return fp["hash"], names, str(device)
+
+    def get(self, key: tuple[str, str, str]) -> NodeCosts | None:
+        costs = self.entries.get(key)
+        if costs is not None:
+            self.entries.move_to_end(key)
+        return costs
+
+    def put(self, key: tuple[str, str, str], costs: NodeCosts) -> None:
+        self.entries[key] = costs
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
 
 
 @dataclass
@@ -129,6 +164,7 @@ class Planner:
         observed_usage: OutputUsage | None = None,
         costs: Callable[[fx.GraphModule, JointGraph], NodeCosts | None] | None = None,
         grads_at_start: bool = False,
+        cost_cache: CostCache | None = None,
     ):
         self.settings = settings
         self.target = target
@@ -137,6 +173,7 @@ class Planner:
         self.carried = carried or {}
         self.observed_usage = observed_usage
         self.costs = costs or self.measured_costs
+        self.cost_cache = cost_cache  # measured costs of graphs planned before (shared by one optimized callable's planners)
         self.grads_at_start = grads_at_start  # an accumulation step (api.grads_at_start)
         self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
 
@@ -149,8 +186,14 @@ class Planner:
         t = self.target
         if not t.measure:
             return None
+        key = CostCache.key(gm, t.device) if self.cost_cache is not None else None
+        if key is not None and (known := self.cost_cache.get(key)) is not None:
+            return known  # the same graph planned again (another use of its outputs): its ops timed once
         real = real_placeholders(gm, [ref() for ref in self.caller_inputs])
-        return profile_nodes(gm, t.device, reuse_candidates(jg), real_inputs=real)
+        costs = profile_nodes(gm, t.device, reuse_candidates(jg), real_inputs=real)
+        if key is not None and costs.scratch_measured:  # measured under another profiler: measure again next time
+            self.cost_cache.put(key, costs)
+        return costs
 
     def plan(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None = None) -> tuple[Plan, list]:
         """The plan for this graph and, per op of its problem, the node or fusion group it runs: from
@@ -190,7 +233,13 @@ class Planner:
                     f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
                     "overwrite it, or use another plan file"
                 )
-        plan, items = self._solve_graph(gm, jg, name, usage)
+        from .solvers.model.problem import collecting_rejections, rejections_in
+
+        # errors this graph's passes and planning expected and recovered from (a fusion group not convex, an op's
+        # FLOP formula raising, ...): counted on the plan (the solver's own are in its notes already)
+        with collecting_rejections(rejections_in(gm.meta).copy()) as recovered:
+            plan, items = self._solve_graph(gm, jg, name, usage)
+        plan.stats.notes += recovered.notes()
         plan.fingerprint, plan.offload_allowed = fp, self.target.offload
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp)
@@ -351,16 +400,37 @@ class Planner:
         fusible = [self.target.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
         groups = find_groups(built.problem, fusible)
         compiled: dict = {}
+        groups, slower = self._faster_groups(jg, built, groups, compiled)
         problem, items = self.fuse(jg, built, groups, compiled)
         taken = {o for c in groups for o in c}
         cands = horizontal_candidates(built.problem, built.nodes, fusible, taken)
         offered, options, notes = self._fusion_options(jg, built, problem, items, cands, compiled)
         plan = self._solve(offered, graph_nodes, items, budget_bytes)
-        plan.stats.notes += notes
+        plan.stats.notes += slower + notes
         if not options:
             return plan, items
         formed = [options[i] for i in plan.schedule.formed]
         return self._merge_formed(jg, built, groups + formed, plan, items, compiled)
+
+    def _faster_groups(self, jg: JointGraph, built: Built, groups: list[list[int]], compiled: dict,
+                       ) -> tuple[list[list[int]], list[str]]:
+        """With the default executor (chosen for the device, not by the user), the groups whose fused kernel
+        runs faster than their ops one by one, when the target measures (a kernel that is slower, as a small
+        group's can be, stays unfused: its ops run as eager runs them); and a note on those left out. An
+        executor the user named, or roofline times, keep every group."""
+        t = self.target
+        if self.settings.executor is not None or not t.measure or not groups:
+            return groups, []
+        kept, slower = [], []
+        for members in groups:
+            group = build_group(jg, built.problem, members, built.nodes)
+            compile_groups([group], t.executor, t.device, True, compiled)
+            one_by_one = sum(built.problem.ops[o].time_s for o in members)
+            (kept if group.time_s < one_by_one else slower).append(members)
+        if not slower:
+            return kept, []
+        return kept, [f"{len(slower)} fusion group(s) left unfused: their {t.executor.name} kernel measured no faster "
+                      f"than their ops one by one (e.g. {', '.join(built.nodes[o].name for o in slower[0][:4])})"]
 
     def _fusion_options(
         self, jg: JointGraph, built: Built, problem: Problem, items: list, cands: list[list[int]], compiled: dict,

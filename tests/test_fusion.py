@@ -252,3 +252,22 @@ def test_inductor_kernels_are_compiled_once_per_structure_for_every_shape_their_
         compiled.append(ex.compilations)
     assert compiled == [1, 1, 1, 2, 2, 3]
 
+
+
+@pytest.mark.parametrize("kernel_s, kept", [(1.0, False), (1e-12, True)])
+def test_the_default_executor_keeps_only_groups_faster_than_their_ops(monkeypatch, kernel_s, kept):
+    """On CUDA the default executor is Inductor (where nvFuser does not load): a group whose kernel measures no
+    faster than its ops one by one stays unfused. Here the default is made Inductor and kernel timings fixed."""
+    from optsched import planner
+    from optsched.executors import groups as group_mod
+    from optsched.executors.inductor import InductorExecutor
+
+    real = planner.get_executor
+    monkeypatch.setattr(planner, "get_executor", lambda name, device: InductorExecutor() if name is None else real(name, device))
+    monkeypatch.setattr(group_mod, "_profile_kernel", lambda kernel, example: (kernel_s, 0))
+    model, inputs = models.attention_block()
+    opt = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2)
+    s = opt.plan.summary()
+    assert s["executor"] == "inductor"
+    assert (s["n_fusion_groups"] > 0) == kept
+    assert any("left unfused" in n for n in opt.plan.stats.notes) != kept

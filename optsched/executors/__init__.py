@@ -8,6 +8,7 @@ command's `--executor` choices); the executor classes load on first use.
 from __future__ import annotations
 
 import importlib as _importlib
+import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ def __dir__() -> list[str]:
 
 
 def get_executor(name: str | None, device: torch.device) -> Executor:
-    """Resolve `optimize(executor=...)`; None picks nvFuser where it loads on CUDA, else eager."""
+    """Resolve `optimize(executor=...)`. None: on CUDA, nvFuser where its wheel loads (it pairs with particular
+    torch builds), else Inductor where Triton imports (the planner keeps only the groups whose kernel measures
+    faster than their ops one by one), else eager; on other devices, eager."""
     from .eager import EagerExecutor
     from .inductor import InductorExecutor
 
@@ -46,6 +49,8 @@ def get_executor(name: str | None, device: torch.device) -> Executor:
 
             if nvfuser_available():
                 return NvFuserExecutor()
+            if importlib.util.find_spec("triton") is not None:
+                return InductorExecutor()
         return EagerExecutor()
     if not isinstance(name, str) or name.lower() not in NAMES:
         raise ValueError(f"unknown executor {name!r}; known: {', '.join(NAMES)}")

@@ -26,6 +26,7 @@ from .capture.errors import capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
 from .costs.profiles import DeviceProfile
+from .planner import CostCache
 from .plans.plan import Plan
 from .settings import PlanningSettings
 from .plans.file_format import PlanFile, seal, validate
@@ -125,6 +126,7 @@ class Dispatcher:
         self.owner: Any = module  # whose `plan` describes what runs (the module, or the OptimizedFunction)
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.usage: dict[Hashable, OutputUsage] = {}  # per signature: what a backward saw the caller do
+        self.cost_cache = CostCache()  # op costs measured per graph: a re-plan for another usage measures nothing
         self.carried_json = carried
         self.carried: dict[str, list[PlanFile]] = {}
         for text in carried:
@@ -212,7 +214,7 @@ class Dispatcher:
         resolution = self.resolution.for_shapes(_shapes_key(base))
         return PlanningBackend(
             self.settings, on_plan, resolution=resolution, carried=self.carried, usage=usage, on_usage=on_usage,
-            grads_at_start=bool(base and base[2]),
+            grads_at_start=bool(base and base[2]), cost_cache=self.cost_cache,
         )
 
     def copy_spec(self) -> _CopySpec:

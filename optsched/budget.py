@@ -220,29 +220,59 @@ def auto_device(tensors: list):
 
 
 THIS_PROGRAM = "this program"
-FIRST_TRAINING_PROGRAM = "the first training program"
+SAME_SHAPES = "the training program of the same shapes"
+LARGEST_TRAINING_PROGRAM = "the largest training program"
+FIRST_TRAINING_PROGRAM = "the first training program"  # files made before issue 24: its bytes for every program
 AUTO_SOURCE = "the device's free memory at the first call"
+TRAINING_SHAPES_KEPT = 1024  # training signatures a resolution remembers the bytes of, the oldest forgotten first
 
 
 class BudgetResolution:
     """A budget as one optimized callable means it, shared by all the programs it compiles (every
-    input shape, grad mode and train/eval mode) and carried by its copies.
+    input signature, grad mode and train/eval mode) and carried by its copies.
 
-    A percentage is resolved once, against the unplanned peak of the first training program planned
-    (forward+backward); from then on it means those bytes for every program. A forward-only program
-    planned before any training program takes the percentage of its own unplanned peak, and that
-    does not fix the bytes. "auto" is resolved once, at the first call, before anything is captured
-    (`resolve_auto`), from the device's memory then; from then on it means those bytes for every
-    program. Budgets in bytes (and no budget) need no resolving."""
+    A percentage is a share of a training program's (forward+backward) own unplanned peak, for every
+    training signature apart: a loop whose shapes change (bucketed or growing sequence lengths, a smaller
+    last batch) gets that share of each step's own peak, whatever the order the shapes come in. Bytes are
+    fixed only when the user gives bytes. A forward-only program (eval, no_grad) takes the bytes of the
+    training program it evaluates: the one of the same shapes (`SAME_SHAPES`: the same input shapes,
+    strides, dtypes, devices and constants, whatever the grad mode, train/eval mode, requires_grad and
+    accumulation) when one was planned, else the largest planned so far (`LARGEST_TRAINING_PROGRAM`: the
+    most bytes the loop was already given), else, with no training program planned yet, the percentage of
+    its own unplanned peak (`THIS_PROGRAM`), which a forward-only program rarely reaches: it saves no
+    activations to recompute. Those bytes are recorded per training signature (`record_training`, the
+    larger when two programs share shapes, e.g. with and without gradients to accumulate into) and carried
+    by copies. `shapes` is the key of a signature (the Dispatcher's, `for_shapes`); None (plan_offline)
+    records no signature, and a forward-only program then takes the largest training program's bytes.
+
+    "auto" is resolved once, at the first call, before anything is captured (`resolve_auto`), from the
+    device's memory then; from then on it means those bytes for every program. Budgets in bytes (and no
+    budget) need no resolving."""
 
     auto: dict | None = None  # how "auto" was resolved (auto_budget's figures); a class default for old pickles
 
-    def __init__(self, budget: Budget, nbytes: int | None = None, reference: dict | None = None,
-                 auto: dict | None = None):
+    def __init__(self, budget: Budget, nbytes: int | None = None, *, auto: dict | None = None,
+                 trained: dict | None = None, largest: dict | None = None):
         self.budget = budget
-        self.nbytes = nbytes  # the resolved bytes of a percentage or of "auto", once fixed
-        self.reference = reference  # the program that fixed a percentage: {"unplanned_peak_bytes", "fingerprint"}
+        self.nbytes = nbytes  # the resolved bytes of "auto", once resolved
         self.auto = auto
+        # the training programs planned under a percentage, {"bytes", "unplanned_peak_bytes", "fingerprint"}:
+        # per signature's shapes, and the one with the most bytes
+        self.trained: dict[str, dict] = {k: dict(v) for k, v in (trained or {}).items()}
+        self.largest = dict(largest) if largest else None
+
+    def __setstate__(self, state: dict) -> None:
+        """Pickles made before issue 24 fixed a percentage's bytes at the first training program (`nbytes`,
+        `reference`): those are bytes a training program was given, which forward-only programs may take."""
+        state = dict(state)
+        reference = state.pop("reference", None) or {}
+        if state["budget"].fraction is not None and state.get("nbytes") is not None:
+            state.setdefault("largest", {"unplanned_peak_bytes": reference.get("unplanned_peak_bytes", 0),
+                                         "fingerprint": reference.get("fingerprint"), "bytes": state["nbytes"]})
+            state["nbytes"] = None
+        state.setdefault("trained", {})
+        state.setdefault("largest", None)
+        self.__dict__.update(state)
 
     @property
     def is_percentage(self) -> bool:
@@ -250,6 +280,7 @@ class BudgetResolution:
 
     @property
     def resolved(self) -> bool:
+        """Bytes fixed for every program: "auto" once resolved (a percentage never is)."""
         return self.nbytes is not None
 
     @property
@@ -265,8 +296,23 @@ class BudgetResolution:
         detail = auto_budget(memory if memory is not None else DeviceMemory.of(device), resident_bytes(tensors, device))
         self.nbytes, self.auto = detail["bytes"], detail
 
-    def bytes_for(self, unplanned_peak_bytes: int) -> int | None:
-        """The budget of a program with this unplanned peak."""
+    def for_shapes(self, shapes: str | None) -> SignatureResolution:
+        """This resolution as the programs of one input signature see it (what they record is shared)."""
+        return SignatureResolution(self, shapes)
+
+    def lender(self, training: bool, shapes: str | None = None) -> tuple[str, dict] | None:
+        """Under a percentage, the training program a forward-only program takes its bytes from (which, and
+        its record); None for a training program, before any training program, or for other budgets."""
+        if self.budget.fraction is None or training:
+            return None
+        if shapes is not None and shapes in self.trained:
+            return SAME_SHAPES, self.trained[shapes]
+        if self.largest is not None:
+            return LARGEST_TRAINING_PROGRAM, self.largest
+        return None
+
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int | None:
+        """The budget of a program with this unplanned peak (`training`: it has a backward)."""
         if self.budget.auto:
             if self.nbytes is None:
                 raise RuntimeError("mem_budget='auto' was not resolved before planning: the optimized callable's first "
@@ -274,9 +320,11 @@ class BudgetResolution:
             return self.nbytes
         if self.budget.fraction is None:
             return self.budget.nbytes
-        return self.nbytes if self.nbytes is not None else self.budget.resolve(unplanned_peak_bytes)
+        lender = self.lender(training, shapes)
+        return lender[1]["bytes"] if lender is not None else self.budget.resolve(unplanned_peak_bytes)
 
-    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None) -> dict | None:
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True,
+               shapes: str | None = None) -> dict | None:
         """How a program with this unplanned peak gets its bytes (Plan.budget_from), None unless a percentage:
         the program the percentage is taken of (which, its unplanned peak, its fingerprint hash) and the bytes.
         For "auto": AUTO_SOURCE, this program's unplanned peak, the bytes and how they were reached ("auto")."""
@@ -285,33 +333,48 @@ class BudgetResolution:
                     "bytes": self.nbytes, "auto": dict(self.auto or {})}
         if self.budget.fraction is None:
             return None
-        if self.reference is not None:
-            return {"program": FIRST_TRAINING_PROGRAM, **self.reference, "bytes": self.nbytes}
+        lender = self.lender(training, shapes)
+        if lender is not None:
+            program, record = lender
+            return {"program": program, "unplanned_peak_bytes": record["unplanned_peak_bytes"],
+                    "fingerprint": record["fingerprint"], "bytes": record["bytes"]}
         return {"program": THIS_PROGRAM, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
                 "bytes": self.budget.resolve(unplanned_peak_bytes)}
 
-    def made_for(self) -> dict:
-        """What a plan file must have been made for, beyond the budget's spec, to be reused now: the
-        resolved bytes once they are fixed; before, a percentage of the program's own peak (which the
-        fingerprint and the spec determine). "auto": its resolved bytes (a plan is never reused for other bytes)."""
+    def made_for(self, training: bool = True, shapes: str | None = None) -> dict:
+        """What a plan file must have been made for, beyond the budget's spec, to be reused now, so that a
+        plan is never reused for other bytes: a percentage of the program's own peak (`budget_from: "this
+        program"`: the fingerprint and the spec determine the bytes), or the bytes a forward-only program
+        takes from a training program (`budget_resolved_bytes`; a plan made for the same bytes is reused,
+        whichever program they came from). "auto": its resolved bytes."""
         if self.budget.auto:
             return {"budget_resolved_bytes": self.nbytes}
         if self.budget.fraction is None:
             return {}
-        if self.nbytes is not None:
-            return {"budget_resolved_bytes": self.nbytes}
+        lender = self.lender(training, shapes)
+        if lender is not None:
+            return {"budget_resolved_bytes": lender[1]["bytes"]}
         return {"budget_from": THIS_PROGRAM}
 
-    def fix(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None) -> None:
-        """A training program was planned with `nbytes`: the first one fixes a percentage's bytes."""
-        if self.budget.fraction is not None and self.nbytes is None:
-            self.nbytes = nbytes
-            self.reference = {"unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint}
+    def record_training(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None,
+                        shapes: str | None = None) -> None:
+        """A training program was planned (or replayed) with `nbytes`, the percentage of its unplanned peak:
+        the bytes forward-only programs of its shapes take, and the largest for those of shapes not trained."""
+        if self.budget.fraction is None:
+            return
+        record = {"bytes": nbytes, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint}
+        if shapes is not None:
+            had = self.trained.pop(shapes, None)  # put back last: the most recently planned are kept
+            self.trained[shapes] = record if had is None or nbytes > had["bytes"] else had
+            while len(self.trained) > TRAINING_SHAPES_KEPT:
+                del self.trained[next(iter(self.trained))]
+        if self.largest is None or nbytes > self.largest["bytes"]:
+            self.largest = record
 
-    def explain(self) -> str:
-        """For error messages: where the bytes of a fixed percentage (or of "auto") came from."""
-        ref = self.reference or {}
+    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str | None:
+        """For error messages: how a program with this unplanned peak got its bytes (None: bytes given)."""
         mib = 2**20
+        here = f"this program's unplanned peak is {unplanned_peak_bytes / mib:.2f} MiB"
         if self.budget.auto:
             a = self.auto or {}
             cap = f", capped at {a['limit_bytes'] / mib:.0f} MiB" if a.get("limit_bytes") is not None else ""
@@ -320,17 +383,72 @@ class BudgetResolution:
                 f"MiB available (free {a.get('free_bytes', 0) / mib:.0f} MiB + cached "
                 f"{(a.get('reserved_bytes', 0) - a.get('allocated_bytes', 0)) / mib:.0f} MiB{cap}) + the step's inputs "
                 f"{a.get('resident_bytes', 0) / mib:.0f} MiB - headroom {a.get('headroom_bytes', 0) / mib:.0f} MiB = "
-                f"{(self.nbytes or 0) / mib:.0f} MiB, and means those bytes for every later program"
+                f"{(self.nbytes or 0) / mib:.0f} MiB, and means those bytes for every later program; {here}"
             )
+        if self.budget.fraction is None:
+            return None
+        spec = self.budget.spec
+        lender = self.lender(training, shapes)
+        if lender is not None:
+            program, record = lender
+            return (
+                f"the budget {spec!r} gives a forward-only program the bytes of {program} this callable planned "
+                f"({spec} of its unplanned peak of {record['unplanned_peak_bytes'] / mib:.2f} MiB = "
+                f"{record['bytes'] / mib:.2f} MiB), and {here}"
+            )
+        nbytes = self.budget.resolve(unplanned_peak_bytes)
+        if training:
+            return (f"the budget {spec!r} is {spec} of each training program's own unplanned peak: here "
+                    f"{unplanned_peak_bytes / mib:.2f} MiB, so {nbytes / mib:.2f} MiB")
         return (
-            f"the budget {self.budget.spec!r} was resolved from the first training program this callable planned "
-            f"({self.budget.spec} of its unplanned peak of {ref.get('unplanned_peak_bytes', 0) / mib:.2f} MiB = "
-            f"{(self.nbytes or 0) / mib:.2f} MiB) and means those bytes for every later program"
+            f"the budget {spec!r} is {spec} of this forward-only program's own unplanned peak ({unplanned_peak_bytes / mib:.2f} "
+            f"MiB, so {nbytes / mib:.2f} MiB): no training program was planned before it (once one is, forward-only "
+            "programs take a training program's bytes)"
         )
 
     def copy(self) -> BudgetResolution:
-        return BudgetResolution(self.budget, self.nbytes, dict(self.reference) if self.reference else None,
-                                dict(self.auto) if self.auto else None)
+        return BudgetResolution(self.budget, self.nbytes, auto=dict(self.auto) if self.auto else None,
+                                trained=self.trained, largest=self.largest)
 
     def __repr__(self) -> str:
-        return f"BudgetResolution({self.budget}, nbytes={self.nbytes}, reference={self.reference})"
+        return (f"BudgetResolution({self.budget}, nbytes={self.nbytes}, trained={len(self.trained)} signatures, "
+                f"largest={self.largest})")
+
+
+class SignatureResolution:
+    """A BudgetResolution as the programs of one input signature see it (each PlanningBackend of a Dispatcher
+    has one): `shapes` says which training program a forward-only program of the signature evaluates. What
+    they record goes to the shared resolution; what is not defined here is read from it."""
+
+    def __init__(self, shared: BudgetResolution, shapes: str | None):
+        self.shared = shared
+        self.shapes = shapes
+
+    def __getattr__(self, name: str):
+        if name in ("shared", "shapes"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.shared, name)
+
+    def lender(self, training: bool) -> tuple[str, dict] | None:
+        return self.shared.lender(training, self.shapes)
+
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True) -> int | None:
+        return self.shared.bytes_for(unplanned_peak_bytes, training, self.shapes)
+
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True) -> dict | None:
+        return self.shared.source(unplanned_peak_bytes, fingerprint, training, self.shapes)
+
+    def made_for(self, training: bool = True) -> dict:
+        return self.shared.made_for(training, self.shapes)
+
+    def record_training(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None) -> None:
+        self.shared.record_training(nbytes, unplanned_peak_bytes, fingerprint, self.shapes)
+
+    def explain(self, unplanned_peak_bytes: int, training: bool = True) -> str | None:
+        return self.shared.explain(unplanned_peak_bytes, training, self.shapes)
+
+    def copy(self) -> BudgetResolution:
+        return self.shared.copy()
+
+    def __repr__(self) -> str:
+        return f"SignatureResolution({self.shapes}, {self.shared!r})"

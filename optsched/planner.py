@@ -44,14 +44,15 @@ from .costs.profiling import profile_nodes, real_placeholders
 from .executors import get_executor
 from .executors.base import Executor
 from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
-from .passes.chunking import chunk, copy_graph, find_chains
+from .lower.chunked_ce import CHUNK_COUNTS
+from .passes.chunking import Chain, chunk, copy_graph, find_chains, why_no_chain
 from .plans.cache import accumulation_path, find_plan_file, plan_path, save_or_warn
 from .plans.file_format import PlanFile, PlanMismatchError
 from .plans.plan import Plan
 from .plans.reuse import plan_from_file
 from .progress import LiveLine
 from .settings import PlanningSettings
-from .solvers import BudgetInfeasibleError, Problem, Schedule, default_schedule, simulate, solve
+from .solvers import BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, default_schedule, simulate, solve
 from .solvers.model.problem import FusionOption, convexity_violation
 from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
 from .user_checkpoint import solve_within_user_checkpointing
@@ -201,7 +202,7 @@ class Planner:
         fp = fingerprint(gm)
         # the cache keys the chunking setting too: a plan chunked under chunking=True is not replayed without it
         path = plan_path(self.settings.plan_spec, fp["hash"],
-                         {**self.made_for(name), "chunk_counts": list(self.settings.chunk_counts)})
+                         {**self.made_for(name), "chunk_counts": self.settings.chunk_key})
         pf = self._carried_plan(fp, name)  # a copy of an optimized module replays its original's plans
         if path is not None and self.settings.plan_spec != "auto" and self.made_for(name)["grads_at_start"]:
             path = accumulation_path(path)  # the same graph, started with gradients: a file of its own
@@ -291,10 +292,24 @@ class Planner:
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
             grads_at_start=self.grads_at_start,
         )
-        if jg.is_training and self.settings.chunk_counts != (1,) and find_chains(gm)[0]:
-            plan, items = self._solve_chunked(gm, jg, built, costs, usage)
+        chains, skipped = find_chains(gm) if jg.is_training else ([], [])
+        chunking, counts = self.settings.chunking, self.settings.chunk_counts
+        on = chunking is not None and chunking is not False and counts != (1,)  # True, or a count forced
+        if chains and on:
+            plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains)
         else:
-            plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+            try:
+                plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+            except BudgetInfeasibleError as e:
+                if chains and chunking is None:  # the default: chunks where the budget cannot be met without them
+                    plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains, captured=e)
+                else:
+                    _say_why_not_chunked(e, gm, chains, skipped, chunking)
+                    raise
+            if jg.is_training and not chains and (on or skipped):
+                plan.stats.notes.append(f"chunking: no LM head + cross-entropy chain found: {why_no_chain(gm, skipped)}")
+        if chains and skipped:
+            plan.stats.notes.append("chunking: left alone: " + "; ".join(skipped))
         if costs is not None and not costs.scratch_measured:
             note = ("planned while another profiler was running: kernel scratch space was not measured "
                     "(counted as 0) and no op writes into a dying input")
@@ -310,6 +325,7 @@ class Planner:
 
     def _solve_chunked(
         self, gm: fx.GraphModule, jg: JointGraph, built: Built, costs: NodeCosts | None, usage: OutputUsage | None,
+        chains: list[Chain], captured: BudgetInfeasibleError | None = None,
     ) -> tuple[Plan, list]:
         """The chunk count of the LM head + cross-entropy as a decision (passes/chunking.py): the graph as
         captured (1 chunk) and the graph with the chain in 2, 4, ... chunks, each planned for the same budget
@@ -317,13 +333,27 @@ class Planner:
         CHUNK_TIE. The chunked op is timed and its scratch space (one chunk's logits) measured like any op.
         Counts go up until one's plan recomputes nothing and is no faster than the best so far: more chunks
         then only add time. The winner's graph replaces `gm`'s and `jg` is rebuilt for it, so the caller
-        lowers the graph that was planned."""
+        lowers the graph that was planned.
+
+        `captured`: chunking=None (the default), where the graph as captured was planned first and did not
+        fit (this error): the counts above 1 are tried for the budget it failed, and a plan that fits says
+        that its gradients equal eager's to rounding. When no count fits, the error covers every count
+        tried: its bound is the lowest of theirs (one graph's bound does not hold for another's plans)."""
         t = self.target
-        counts = self.settings.chunk_counts
+        if captured is not None:
+            counts = tuple(k for k in CHUNK_COUNTS if k > 1)
+            budget_bytes = captured.budget_bytes
+        else:
+            counts = self.settings.chunk_counts
+            budget_bytes = None
         baseline = simulate(built.problem, default_schedule(built.problem))
-        budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
+        if budget_bytes is None:
+            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
         tried: list[tuple[int, Plan | None, list, fx.GraphModule | None, JointGraph | None]] = []
-        failures: list[BudgetInfeasibleError] = []
+        failures: list[tuple[int, BudgetInfeasibleError]] = []
+        if captured is not None:
+            tried.append((1, None, [], None, jg))
+            failures.append((1, captured))
         best = None
         for k in counts:
             g, jgk, built_k = None, jg, built
@@ -338,7 +368,7 @@ class Planner:
                 plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
             except BudgetInfeasibleError as e:
                 tried.append((k, None, [], g, jgk))
-                failures.append(e)
+                failures.append((k, e))
                 continue
             tried.append(cand := (k, plan_k, items_k, g, jgk))
             if best is not None and plan_k.sim.time_s >= best[1].sim.time_s * (1 - CHUNK_TIE):
@@ -346,15 +376,14 @@ class Planner:
                     break
                 continue
             best = cand
+        names = [c.name for c in chains]
         if best is None:
-            low = min(failures, key=lambda e: e.lowest_peak_bytes)
-            e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, min(e.lower_bound_bytes for e in failures))
+            e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking)
             how = self.resolution.explain(baseline.peak_bytes)  # a training program's
-            e.args = (f"{e.args[0]} (the LM head in any of {', '.join(map(str, counts))} chunks)"
-                      + (f"; {how}" if how is not None else ""),)
+            if how is not None:
+                e.args = (f"{e.args[0]}; {how}",)
             raise e
         k, plan, items, g, jgk = best
-        names = [c.name for c in find_chains(gm)[0]]
         plan.chunks = dict.fromkeys(names, k)
         plan.baseline = baseline  # the captured program's, unplanned: what budgets and ratios refer to
         mib = 2**20
@@ -362,6 +391,12 @@ class Planner:
             f"{c[0]}: " + (f"{c[1].sim.peak_bytes / mib:.2f} MiB, {c[1].sim.time_s * 1e3:.2f} ms, "
                            f"{len(c[1].sim.recomputed_ops)} recomputed" if c[1] else "does not fit")
             for c in tried) + f"; chose {k}")
+        if captured is not None:
+            plan.stats.notes.append(
+                f"chunking: the graph as captured does not fit {budget_bytes / mib:.2f} MiB (lowest peak found "
+                f"{captured.lowest_peak_bytes / mib:.2f} MiB), so {', '.join(names)} runs in {k} token chunks: its "
+                "gradients equal eager's to rounding, not bitwise (the weight's gradient is summed chunk by chunk); "
+                "chunking=False keeps the graph as captured")
         plan.chunk_trials = [
             {"chunks": c[0], "fits": c[1] is not None, "predicted_peak_bytes": c[1].sim.peak_bytes if c[1] else None,
              "estimated_time_s": c[1].sim.time_s if c[1] else None,
@@ -531,6 +566,59 @@ class Planner:
         plan.budget_from = self.resolution.source(peak, fp["hash"], training=training)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfeasibleError]], names: list[str],
+                        chunking) -> BudgetInfeasibleError:
+    """No chunk count tried fits: one error for all of them. Each count's bound holds for its own graph's plans
+    only, so the bound of all is the lowest of theirs, and "none can" covers the counts tried, no others."""
+    low = min((e for _, e in failures), key=lambda e: e.lowest_peak_bytes)
+    bound = min(e.lower_bound_bytes for _, e in failures)
+    timed = [e for _, e in failures if isinstance(e, PlanningTimeLimitError)]
+    if timed and budget_bytes >= bound:
+        e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, elapsed_s=sum(x.elapsed_s or 0 for x in timed),
+                                   time_limit_s=timed[0].time_limit_s)
+    else:
+        e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound)
+    counts = [k for k, _ in failures]
+    heads = ", ".join(names)
+    if len(counts) == 1:
+        scope = f"{heads} in {counts[0]} chunk{'s' if counts[0] > 1 else ''} (chunking={chunking!r}: no other count tried)"
+    else:
+        scope = f"{heads} in {', '.join(map(str, counts))} chunks (each count chunking chooses from)"
+    per = "; ".join(f"{k}: {_mib(x.lowest_peak_bytes)}" for k, x in failures)
+    if e.proven:
+        text = (f"no plan fits {_mib(budget_bytes)}, and none can with {scope}: every such plan needs at least "
+                f"{_mib(bound)} (lowest peak found per chunk count: {per})")
+    elif isinstance(e, PlanningTimeLimitError):
+        text = (f"no plan fits {_mib(budget_bytes)} with {scope} within the time limit ({e.time_limit_s:g}s per count): "
+                f"lowest peak found per chunk count: {per}; none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); "
+                "a larger time_limit_s may find one")
+    else:
+        text = (f"no plan fits {_mib(budget_bytes)} with {scope}: none found; lowest peak found per chunk count: {per}, "
+                f"and none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); the search ended before its time limit, "
+                "so a larger one is unlikely to help")
+    e.args = (text,)
+    return e
+
+
+def _say_why_not_chunked(e: BudgetInfeasibleError, gm: fx.GraphModule, chains: list[Chain], skipped: list[str],
+                         chunking) -> None:
+    """The error of a graph planned as captured says what chunking could have done: with chunking=False and
+    a chain, that its bound is the captured graph's only (chunked plans need less); with chunking on (or by
+    default, where a cross-entropy was refused), why no chain was found."""
+    if chains and (chunking is False or type(chunking) is int and chunking == 1):
+        text = e.args[0].replace(", and none can:", ", and none can with the LM head + cross-entropy as captured:")
+        heads = ", ".join(f"{c.name} ({c.shape[0]} tokens, vocabulary {c.shape[2]})" for c in chains)
+        e.args = (f"{text}; chunking={chunking!r}: {heads} could run in token chunks, which needs less memory than "
+                  "this (chunking=None, the default, or True)",)
+    elif not chains and (skipped or (chunking is not None and chunking is not False)):
+        e.args = (f"{e.args[0]}; chunking found no LM head + cross-entropy chain to run in chunks "
+                  f"({why_no_chain(gm, skipped)}), so this covers every plan",)
 
 
 def _op_ids(built: Built, items: list) -> dict[int, int]:

@@ -329,3 +329,131 @@ def test_auto_counts_the_steps_inputs_once():
     assert resident_bytes(tensors, torch.device("meta")) == 0  # only what is on the device read
     lin.weight.grad = torch.zeros(10, 10)  # an accumulation step starts with its gradients (planned live)
     assert resident_bytes(step_tensors(lin, (x,), {}), torch.device("cpu")) == 440 + 160 + 400
+
+
+# ---------------------------------------------------------------------------------------------
+# what a percentage means for each program (BudgetResolution; issue 24)
+
+
+def _resolution(spec="60%"):
+    from optsched.budget import BudgetResolution
+
+    return BudgetResolution(parse_budget(spec))
+
+
+def test_a_percentage_is_a_share_of_each_training_programs_own_peak():
+    """A loop whose shapes grow gets the share of each step's own peak: nothing is fixed by the first."""
+    from optsched.budget import THIS_PROGRAM
+
+    r = _resolution()
+    for peak, shapes in [(1000, "a"), (5000, "b"), (2000, "c")]:
+        view = r.for_shapes(shapes)
+        assert view.bytes_for(peak) == int(0.6 * peak)
+        assert view.made_for(training=True) == {"budget_from": THIS_PROGRAM}
+        assert view.source(peak, "fp")["program"] == THIS_PROGRAM
+        view.record_training(view.bytes_for(peak), peak, f"fp-{shapes}")
+    assert not r.resolved and r.nbytes is None  # bytes are fixed only when the user gives bytes
+    assert r.for_shapes("a").bytes_for(10_000) == 6000
+
+
+def test_a_forward_only_program_takes_its_training_programs_bytes():
+    """The same shapes' training program when one was planned, else the largest, else its own peak."""
+    from optsched.budget import LARGEST_TRAINING_PROGRAM, SAME_SHAPES, THIS_PROGRAM
+
+    r = _resolution()
+    assert r.for_shapes("a").bytes_for(700, training=False) == 420  # nothing trained yet: its own share
+    assert r.for_shapes("a").made_for(training=False) == {"budget_from": THIS_PROGRAM}
+    r.for_shapes("a").record_training(600, 1000, "fp-a")
+    r.for_shapes("b").record_training(3000, 5000, "fp-b")
+    r.for_shapes("c").record_training(1200, 2000, "fp-c")
+
+    a = r.for_shapes("a")
+    assert a.bytes_for(700, training=False) == 600
+    assert a.source(700, "fp-eval", training=False) == {
+        "program": SAME_SHAPES, "unplanned_peak_bytes": 1000, "fingerprint": "fp-a", "bytes": 600}
+    assert a.made_for(training=False) == {"budget_resolved_bytes": 600}
+    untrained = r.for_shapes("z")
+    assert untrained.bytes_for(700, training=False) == 3000
+    assert untrained.source(700, training=False)["program"] == LARGEST_TRAINING_PROGRAM
+    assert untrained.made_for(training=False) == {"budget_resolved_bytes": 3000}
+    assert r.bytes_for(700, training=False) == 3000  # no signature (plan_offline): the largest
+    assert untrained.bytes_for(700, training=True) == 420  # a training program of those shapes: its own share
+
+    r.for_shapes("a").record_training(900, 1500, "fp-a-accumulating")  # the same shapes, more bytes: kept
+    r.for_shapes("a").record_training(300, 500, "fp-a-small")  # fewer: not
+    assert r.for_shapes("a").bytes_for(1, training=False) == 900
+
+
+def test_bytes_and_no_budget_need_no_resolving():
+    from optsched.budget import BudgetResolution
+
+    for spec, nbytes in [("12GB", 12 * 10**9), (None, None)]:
+        r = BudgetResolution(parse_budget(spec)).for_shapes("a")
+        r.record_training(5, 10, "fp")
+        assert r.bytes_for(1000) == r.bytes_for(1000, training=False) == nbytes
+        assert r.made_for() == r.made_for(training=False) == {}
+        assert r.source(1000) is None and r.explain(1000) is None
+
+
+def test_the_error_says_where_a_percentages_bytes_came_from():
+    r = _resolution()
+    assert "60% of each training program's own unplanned peak" in r.for_shapes("a").explain(2**20)
+    assert "no training program was planned before it" in r.for_shapes("a").explain(2**20, training=False)
+    r.for_shapes("a").record_training(600, 1000, "fp-a")
+    assert "the bytes of the training program of the same shapes" in r.for_shapes("a").explain(2**20, training=False)
+    assert "the bytes of the largest training program" in r.for_shapes("b").explain(2**20, training=False)
+
+
+def test_copies_and_pickles_carry_the_training_bytes():
+    import copy
+    import pickle
+
+    r = _resolution()
+    r.for_shapes("a").record_training(600, 1000, "fp-a")
+    for c in (r.copy(), r.for_shapes("b").copy(), pickle.loads(pickle.dumps(r)), copy.deepcopy(r)):
+        assert c.for_shapes("a").bytes_for(1, training=False) == 600
+        assert c.largest == r.largest and c.trained == r.trained
+    c = r.copy()
+    c.for_shapes("b").record_training(3000, 5000, "fp-b")  # a copy's programs are its own
+    assert "b" not in r.trained and r.largest["bytes"] == 600
+
+
+def test_a_resolution_pickled_before_issue_24_keeps_its_bytes_for_forward_only_programs():
+    """Then the first training program fixed the bytes for every program (`nbytes`, `reference`): those are a
+    training program's bytes, which forward-only programs take now; training programs take their own share."""
+    import pickle
+
+    from optsched.budget import LARGEST_TRAINING_PROGRAM, BudgetResolution
+
+    old = object.__new__(BudgetResolution)
+    old.__dict__.update(budget=parse_budget("60%"), nbytes=600, auto=None,
+                        reference={"unplanned_peak_bytes": 1000, "fingerprint": "fp-first"})
+    r = pickle.loads(pickle.dumps(old))
+    assert r.nbytes is None and "reference" not in vars(r)
+    assert r.for_shapes("a").bytes_for(5000) == 3000
+    assert r.for_shapes("a").source(1, training=False) == {
+        "program": LARGEST_TRAINING_PROGRAM, "unplanned_peak_bytes": 1000, "fingerprint": "fp-first", "bytes": 600}
+
+
+def test_eval_and_training_of_the_same_shapes_share_a_key():
+    """The Dispatcher's key for the budget: the arguments' shapes, not grad mode, train/eval or requires_grad."""
+    import types
+
+    import torch
+    from optsched import api
+
+    module = torch.nn.Linear(8, 8)
+    dispatcher = types.SimpleNamespace(module=module, usage={}, extra_key=lambda args, kwargs: None)
+
+    def key(*args, grad=True, training=True):
+        module.train(training)
+        with torch.set_grad_enabled(grad):
+            base, _usage = api.Dispatcher.key(dispatcher, args, {})
+        return api._shapes_key(base)
+
+    x = torch.randn(4, 8)
+    assert key(x) == key(x, grad=False, training=False) == key(x.requires_grad_(False), grad=False)
+    assert key(torch.randn(4, 8, requires_grad=True)) == key(x)
+    assert key(torch.randn(4, 9)) != key(x) and key(x, 2) != key(x, 3)
+    assert key(x.double()) != key(x)
+    assert api._shapes_key(None) is None

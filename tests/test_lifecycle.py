@@ -1,10 +1,11 @@
 """An optimized module over its life: train then evaluate, changing batch sizes and sequence lengths,
 and copies (copy.copy, copy.deepcopy, pickle, torch.save/torch.load).
 
-A percentage budget is resolved once, against the first training program planned, and means those
-bytes for every later program; every input signature gets its own compiled program (a bounded
-cache), so changing shapes never reach Dynamo's recompile limit; a copy is optimized again with the
-same settings and resolved budget and replays the original's plans without solving.
+A percentage budget is a share of each training program's own unplanned peak (every input signature
+apart), and a forward-only program takes the bytes of the training program of its shapes (else of the
+largest planned); every input signature gets its own compiled program (a bounded cache), so changing
+shapes never reach Dynamo's recompile limit; a copy is optimized again with the same settings and the
+budget's resolution so far and replays the original's plans without solving.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 import optsched
 from optsched import BudgetInfeasibleError
 from optsched import api
+from optsched.budget import LARGEST_TRAINING_PROGRAM, SAME_SHAPES, THIS_PROGRAM
 from optsched.measure import measure_training_step
 
 TIME_LIMIT_S = 1.0
@@ -74,13 +76,17 @@ def _assert_same_grads(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("pct", ["60%", "99%"])
 def test_eval_and_no_grad_after_training_keep_the_training_budget(pct):
+    """An evaluation of the shapes just trained takes that training program's bytes: pct of a forward-only
+    program's own peak is out of reach (it saves no activations to recompute). Issue 24 changed where the
+    bytes come from (the training program of the same shapes, no longer the first training program), not
+    what this loop gets: one shape, so the same program either way."""
     module = _blocks()
     opt = optsched.optimize(module, pct, device_profile="cpu", time_limit_s=TIME_LIMIT_S)
     x = _x()
     opt(x).backward()
     train = opt.plan.summary()
     fraction = float(pct[:-1]) / 100
-    assert train["budget_from"] == "this program"
+    assert train["budget_from"] == THIS_PROGRAM
     assert train["budget_reference_peak_bytes"] == train["unplanned_peak_bytes"]
     assert train["budget_bytes"] == int(fraction * train["unplanned_peak_bytes"])
     train_plan = opt.plan
@@ -93,7 +99,7 @@ def test_eval_and_no_grad_after_training_keep_the_training_budget(pct):
     s = opt.plan.summary()
     assert s["kind"] == "inference"
     assert s["budget_bytes"] == train["budget_bytes"]  # the same bytes, not pct of this program's peak
-    assert s["budget_from"] == "the first training program"
+    assert s["budget_from"] == SAME_SHAPES
     assert s["budget_reference_peak_bytes"] == train["unplanned_peak_bytes"]
     assert s["predicted_peak_bytes"] <= s["budget_bytes"]
     assert opt.plan.budget_from["fingerprint"] == train_plan.fingerprint["hash"]
@@ -105,20 +111,25 @@ def test_eval_and_no_grad_after_training_keep_the_training_budget(pct):
     assert opt.plan is train_plan  # the training program, still cached: not planned again
 
 
-def test_a_smaller_last_batch_keeps_the_training_budget():
+def test_a_smaller_last_batch_gets_its_own_share():
+    """A smaller last batch is a training program of its own shapes: "60%" means 60% of its own unplanned
+    peak. Before issue 24 it kept the first batch's bytes (the first training program fixed them), a looser
+    budget than the user asked of this step; now its budget is tighter, met, and the step still computes
+    eager's loss and gradients."""
     module = _blocks()
     ref = copy.deepcopy(module)
     opt = optsched.optimize(module, "60%", device_profile="cpu", time_limit_s=TIME_LIMIT_S)
     opt(_x(8)).backward()
-    budget = opt.plan.budget_bytes
+    first = opt.plan.budget_bytes
     module.zero_grad(set_to_none=True)
 
     last = _x(3)
     loss = opt(last)
     loss.backward()
     s = opt.plan.summary()
-    assert (s["kind"], s["budget_bytes"], s["budget_from"]) == ("training", budget, "the first training program")
-    assert s["predicted_peak_bytes"] <= budget
+    assert (s["kind"], s["budget_from"]) == ("training", THIS_PROGRAM)
+    assert s["budget_bytes"] == int(0.6 * s["unplanned_peak_bytes"]) < first
+    assert s["predicted_peak_bytes"] <= s["budget_bytes"]
     assert 3 * 64 * WIDTH * 4 in _input_bytes(opt.plan)
     ref_loss = ref(last)
     ref_loss.backward()
@@ -127,45 +138,60 @@ def test_a_smaller_last_batch_keeps_the_training_budget():
 
 
 def test_a_forward_only_program_before_any_training_takes_its_own_peak():
+    """With no training program planned, a forward-only program's percentage is of its own peak (nothing
+    else to take it of); once one is, a forward-only program of other shapes takes the largest training
+    program's bytes (issue 24: before, the first training program's, which here is the same program)."""
     x = _x()
     early = optsched.optimize(_blocks(), "60%", device_profile="cpu", time_limit_s=TIME_LIMIT_S)
     with pytest.raises(BudgetInfeasibleError) as info, torch.no_grad():
         early(x)  # 60% of the forward-only program's own peak: out of reach
-    assert "first training program" not in str(info.value)
+    assert "60% of this forward-only program's own unplanned peak" in str(info.value)
+    assert "no training program was planned before it" in str(info.value)
 
     module = _blocks()
     opt = optsched.optimize(module, "100%", device_profile="cpu", time_limit_s=TIME_LIMIT_S)
     with torch.no_grad():
         opt(x)
     first = opt.plan.summary()
-    assert (first["kind"], first["budget_from"]) == ("inference", "this program")
+    assert (first["kind"], first["budget_from"]) == ("inference", THIS_PROGRAM)
     assert first["budget_bytes"] == first["unplanned_peak_bytes"] == first["budget_reference_peak_bytes"]
 
-    opt(x).backward()  # the first training program fixes the bytes
+    opt(x).backward()  # a training program: 100% of its own peak
     train = opt.plan.summary()
-    assert (train["kind"], train["budget_from"]) == ("training", "this program")
+    assert (train["kind"], train["budget_from"]) == ("training", THIS_PROGRAM)
     assert train["budget_bytes"] == train["unplanned_peak_bytes"] > first["budget_bytes"]
 
     with torch.no_grad():
-        opt(_x(4))  # a forward-only program planned after it
+        opt(_x(4))  # a forward-only program planned after it, of shapes never trained
     s = opt.plan.summary()
-    assert (s["kind"], s["budget_from"], s["budget_bytes"]) == ("inference", "the first training program",
+    assert (s["kind"], s["budget_from"], s["budget_bytes"]) == ("inference", LARGEST_TRAINING_PROGRAM,
                                                                 train["budget_bytes"])
 
 
-def test_a_larger_shape_that_cannot_fit_the_resolved_bytes_raises():
+def test_a_larger_shape_gets_its_own_share_and_an_untrained_eval_shape_can_raise():
+    """Before issue 24 a larger training shape had to fit the bytes the first (smaller) one fixed and
+    raised BudgetInfeasibleError (the bytes fixed by the first of an ascending loop's lengths). Now it plans
+    within its own share. What can still raise is a forward-only program of shapes never trained: it
+    takes the largest training program's bytes, and the error says where they came from."""
     module = _blocks()
     opt = optsched.optimize(module, "60%", device_profile="cpu", time_limit_s=TIME_LIMIT_S)
     small = _x(2)
     opt(small).backward()
     plan = opt.plan
-    with pytest.raises(BudgetInfeasibleError) as info:
-        opt(_x(32))
+    module.zero_grad(set_to_none=True)
+    with pytest.raises(BudgetInfeasibleError) as info, torch.no_grad():
+        opt(_x(32))  # never trained at batch 32: the bytes of batch 2's training program
     e = info.value
     assert e.budget_bytes == plan.budget_bytes < e.lower_bound_bytes
-    assert "resolved from the first training program" in str(e)
+    assert f"the bytes of {LARGEST_TRAINING_PROGRAM} this callable planned" in str(e)
     assert "'60%'" in str(e) and "no plan fits" in str(e)
     assert opt.plan is None  # the program that failed has no plan
+
+    opt(_x(32)).backward()  # the larger training shape: its own share
+    s = opt.plan.summary()
+    assert (s["kind"], s["budget_from"]) == ("training", THIS_PROGRAM)
+    assert s["budget_bytes"] == int(0.6 * s["unplanned_peak_bytes"]) > plan.budget_bytes
+    assert s["predicted_peak_bytes"] <= s["budget_bytes"]
     module.zero_grad(set_to_none=True)
     opt(small).backward()  # the planned shape still runs
     assert opt.plan is plan
@@ -197,7 +223,9 @@ def test_many_sequence_lengths_never_hit_the_recompile_limit(monkeypatch):
         module.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     assert len({id(p) for p in plans.values()}) == len(lengths)
-    assert all(p.budget_bytes == plans[14].budget_bytes for p in plans.values())  # resolved once, by the first
+    # each length 100% of its own unplanned peak (issue 24; before, all had the bytes of the first, length 14)
+    assert all(p.budget_bytes == p.baseline.peak_bytes for p in plans.values())
+    assert len({p.budget_bytes for p in plans.values()}) == len(lengths)
 
     module.zero_grad(set_to_none=True)
     opt(_x(2, 4)).backward()  # cached: runs without planning
@@ -301,10 +329,10 @@ def test_a_copy_stays_optimized_and_replays_the_plan(roundtrip):
     assert got.peak_bytes < 0.8 * eager.peak_bytes  # the planned program runs, not eager
     assert all(p.grad is None for p in module.parameters())  # the copy's gradients are its own
 
-    c.eval()  # the copy carries the resolved bytes, not just "60%"
+    c.eval()  # the copy carries the training programs' bytes, not just "60%"
     with torch.no_grad():
         c(x)
-    assert (c.plan.budget_from["program"], c.plan.budget_bytes) == ("the first training program", plan.budget_bytes)
+    assert (c.plan.budget_from["program"], c.plan.budget_bytes) == (SAME_SHAPES, plan.budget_bytes)
 
     again = measure_training_step(opt, module, (x,))  # the original keeps working, with its plan
     assert opt.plan is plan
@@ -337,7 +365,7 @@ def test_a_copy_before_any_call_plans_with_the_same_settings():
     assert c.plan is None
     c(_x()).backward()
     s = c.plan.summary()
-    assert (s["budget_from"], s["device_profile"], c.plan.budget_spec) == ("this program", "cpu", "70%")
+    assert (s["budget_from"], s["device_profile"], c.plan.budget_spec) == (THIS_PROGRAM, "cpu", "70%")
     assert s["budget_bytes"] == int(0.7 * s["unplanned_peak_bytes"])
     assert not any(n.startswith("loaded from") for n in c.plan.stats.notes)
     assert opt.plan is None  # the original has not planned
@@ -378,12 +406,15 @@ def test_the_plan_cache_keys_plans_by_the_resolved_bytes(tmp_path, monkeypatch):
     again = eval_plan_after_training_on(8)  # the same bytes: both replayed
     assert any(n.startswith("loaded from") for n in again.stats.notes)
     assert again.budget_bytes == first.budget_bytes
-    other = eval_plan_after_training_on(4)  # other bytes: the forward-only plan is not reused
+    assert first.budget_from["program"] == SAME_SHAPES
+    # trained on other shapes: the forward-only program takes the largest training program's bytes, other
+    # bytes, and its plan is not reused
+    other = eval_plan_after_training_on(4)
     assert other.budget_bytes < first.budget_bytes
     assert not any(n.startswith("loaded from") for n in other.stats.notes)
     assert len(list(tmp_path.glob("*.json"))) == 4
     made_for = optsched.load_plan(next(p for p in tmp_path.glob("*.json") if _is(p, other))).data["made_for"]
-    assert made_for["budget_from"] == "the first training program"
+    assert made_for["budget_from"] == LARGEST_TRAINING_PROGRAM
     assert made_for["budget_resolved_bytes"] == other.budget_bytes
 
 

@@ -55,7 +55,7 @@ from .settings import PlanningSettings
 from .solvers import BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, default_schedule, simulate, solve
 from .solvers.model.problem import FusionOption, convexity_violation
 from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
-from .user_checkpoint import solve_within_user_checkpointing
+from .user_checkpoint import reference_peak, solve_within_user_checkpointing
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
@@ -224,7 +224,7 @@ class Planner:
                     fuse=lambda built, groups: self.fuse(jg, built, groups, measure=False),  # costs come from the file
                 )
                 plan.chunks = dict(chunks)
-                self._record_budget(plan, fp)
+                self._record_budget(plan, fp, items)
                 self.on_plan(plan)
                 return plan, items
             if mismatch is None:
@@ -243,7 +243,7 @@ class Planner:
         plan.stats.notes += recovered.notes()
         plan.fingerprint, plan.offload_allowed = fp, self.target.offload
         plan.output_usage = usage.describe() if usage is not None else None
-        self._record_budget(plan, fp)
+        self._record_budget(plan, fp, items)
         if path is not None:  # a save the file system refuses warns: the plan is made, the step runs
             save_or_warn(plan.save, path, cached=self.settings.plan_spec == "auto")
         self.on_plan(plan)
@@ -518,8 +518,9 @@ class Planner:
     def _solve(self, problem: Problem, graph_nodes: int, items: list | None = None, budget_bytes: int | None = None) -> Plan:
         baseline = simulate(problem, default_schedule(problem))
         explained = budget_bytes is None  # the program's own budget (not a chunk trial's): say how it was reached
+        reference = reference_peak(problem, items, baseline)
         if budget_bytes is None:
-            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes, training=problem.has_backward)
+            budget_bytes = self.resolution.bytes_for(reference, training=problem.has_backward)
         limit = self.settings.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
@@ -531,7 +532,10 @@ class Planner:
                     problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning)
             )
         except BudgetInfeasibleError as e:
-            how = self.resolution.explain(baseline.peak_bytes, training=problem.has_backward) if explained else None
+            how = self.resolution.explain(reference, training=problem.has_backward) if explained else None
+            if how is not None and reference != baseline.peak_bytes:
+                how += (f" (the model's own activation checkpointing: its step peaks at {_mib(reference)}, the "
+                        f"captured program with every activation saved at {_mib(baseline.peak_bytes)})")
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
             raise
@@ -557,11 +561,11 @@ class Planner:
         wanted = self.made_for(name)
         return next((pf for pf in self.carried.get(fp["hash"], ()) if pf.describe_mismatch(fp, **wanted) is None), None)
 
-    def _record_budget(self, plan: Plan, fp: dict) -> None:
+    def _record_budget(self, plan: Plan, fp: dict, items: list | None) -> None:
         """How the budget was resolved, on the plan; a training program records a percentage's bytes for
         it (the percentage of its unplanned peak, not a cap the plan itself applied): the bytes the
         forward-only programs of its shapes take (BudgetResolution)."""
-        peak = plan.baseline.peak_bytes
+        peak = reference_peak(plan.problem, items, plan.baseline)
         training = plan.kind == "training"
         plan.budget_from = self.resolution.source(peak, fp["hash"], training=training)
         if training:
@@ -612,7 +616,7 @@ def _say_why_not_chunked(e: BudgetInfeasibleError, gm: fx.GraphModule, chains: l
     a chain, that its bound is the captured graph's only (chunked plans need less); with chunking on (or by
     default, where a cross-entropy was refused), why no chain was found."""
     if chains and (chunking is False or type(chunking) is int and chunking == 1):
-        text = e.args[0].replace(", and none can:", ", and none can with the LM head + cross-entropy as captured:")
+        text = e.args[0].replace(", and none can: every plan", ", and none can with the LM head + cross-entropy as captured: every such plan")
         heads = ", ".join(f"{c.name} ({c.shape[0]} tokens, vocabulary {c.shape[2]})" for c in chains)
         e.args = (f"{text}; chunking={chunking!r}: {heads} could run in token chunks, which needs less memory than "
                   "this (chunking=None, the default, or True)",)

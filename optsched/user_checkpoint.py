@@ -119,6 +119,14 @@ def user_checkpointing(problem: Problem, items: list | None) -> UserCheckpointin
     return UserCheckpointing(schedule, sim, list(sim.recomputed_ops), len(regions), kept_bytes)
 
 
+def reference_peak(problem: Problem, items: list | None, baseline: SimResult) -> int:
+    """The unplanned peak a percentage budget is a share of: the step as the user wrote it, so their own
+    checkpointing's peak where the model has some (not the captured program with every activation saved,
+    which checkpointing users never run), else the program as captured."""
+    user = user_checkpointing(problem, items)
+    return user.cap_bytes if user is not None else baseline.peak_bytes
+
+
 def solve_within_user_checkpointing(
     problem: Problem, items: list | None, budget_bytes: int | None, solve: Callable[[int | None], Solution]
 ) -> tuple[int | None, Solution]:

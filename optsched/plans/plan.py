@@ -17,9 +17,11 @@ SUMMARY_KEYS = {
     "unplanned_peak_bytes": "simulated peak of the program as captured (what '60%' budgets refer to)",
     "budget_bytes": "the resolved budget, or None",
     "budget_from": "how a percentage budget became budget_bytes: 'this program' (a share of this program's own "
-    "unplanned peak: the first training program planned, or a forward-only one planned before any) or 'the first "
-    "training program' (the bytes it fixed for every later program); None for a budget in bytes or no budget",
-    "budget_reference_peak_bytes": "the unplanned peak the percentage was taken of (None unless budget_from is set)",
+    "unplanned peak: every training program, and a forward-only one planned before any), 'the training program of "
+    "the same shapes' or 'the largest training program' (a forward-only program takes that program's bytes), or "
+    "'the device's free memory at the first call' (\"auto\"); None for a budget in bytes or no budget",
+    "budget_reference_peak_bytes": "the unplanned peak the percentage was taken of: the program as captured, or, "
+    "for a model with its own activation checkpointing, the step as it checkpoints (None unless budget_from is set)",
     "lower_bound_bytes": "a peak no plan can go below",
     "estimated_time_s": "cost-model time of the planned step",
     "unplanned_time_s": "cost-model time of the program as captured",

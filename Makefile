@@ -40,6 +40,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.gpt_budget
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
 	$(BIN)/python -m benchmarks.zoo
+	$(BIN)/python -m benchmarks.loops
 
 # on a CUDA machine, with its own python and torch (no venv is made): pytest -m gpu, the Llama headline, a step
 # that does not fit, offload vs recompute; writes benchmarks/results/gpu_check.json. E.g.

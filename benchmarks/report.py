@@ -280,6 +280,152 @@ def zoo_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- training loops (benchmarks/loops.py)
+
+# The loops' contracts, shared by the table here and tests/test_loops.py; tolerances are the zoo's.
+LOOP_CONTRACTS = ("steps", "gradients", "budget", "prediction", "replans")
+# where torch.compile's own capture (aot_eager) is not bitwise eager's, gradients are compared to this tolerance
+LOOP_GRAD_TOLERANCE = 1e-6
+
+
+def loop_contract_failures(case: dict) -> dict[str, list[str]]:
+    """What one loop breaks, per contract: `steps` (a step failed: an error, or a BudgetInfeasibleError whose
+    budget the proven bound does not rule out), `gradients` (not eager's: bitwise, or within LOOP_GRAD_TOLERANCE
+    where torch.compile(backend="aot_eager") alone differs from eager), `budget` (a call measured over the bytes its
+    plan was given), `prediction` (predicted not within ZOO_PREDICTION_TOLERANCE of measured), `replans` (a program
+    planned again where the model computes its loss, more than once where the caller does, or while measured)."""
+    out: dict[str, list[str]] = {k: [] for k in LOOP_CONTRACTS}
+    if "error" in case:
+        e = case["error"]
+        out["steps"].append(f"{e['stage']}: {e['type']}: {e['message']}")
+        return out
+    ref = case.get("reference_grad_diff")
+    tol = LOOP_GRAD_TOLERANCE if ref else 0.0
+    for s in case["steps"]:
+        if s.get("outcome") != "fitted":
+            e = s["error"]
+            if s.get("outcome") == "infeasible" and s.get("proven"):
+                continue  # no plan can fit: the error is the answer
+            extra = ""
+            if s.get("outcome") == "infeasible":
+                extra = (f" (budget {s['budget_bytes'] / MIB:.2f} MiB, lowest found {s['lowest_peak_bytes'] / MIB:.2f}, "
+                         f"proven bound {s['lower_bound_bytes'] / MIB:.2f})")
+            out["steps"].append(f"{s['step']}: {e['type']} at {e['stage']}: {e['message'][:160]}{extra}")
+            continue
+        d = s.get("max_grad_diff")
+        if d is None:
+            out["gradients"].append(f"{s['step']}: gradients missing for {', '.join(s.get('grads_missing', []))}")
+        elif d > tol:
+            why = f" (torch.compile alone: {ref:.1e})" if ref else ""
+            out["gradients"].append(f"{s['step']}: gradients differ from eager by {d:.1e}{why}")
+        for j, c in enumerate(s["calls"]):
+            call = f"{s['step']}" + (f", micro-batch {j}" if len(s["calls"]) > 1 else "")
+            if c.get("planned_while_measured"):
+                out["replans"].append(f"{call}: planned again in the measured pass (output usage {c.get('output_usage')})")
+            if "measured_peak_bytes" not in c:
+                out["budget"].append(f"{call}: not measured")
+                continue
+            peak = c["measured_peak_bytes"]
+            if c.get("budget_bytes") is not None and peak > c["budget_bytes"]:
+                out["budget"].append(f"{call}: measured {peak / MIB:.2f} MiB, {peak - c['budget_bytes']:,} B over the budget "
+                                     f"{c['budget_bytes'] / MIB:.2f} MiB (predicted {c['predicted_peak_bytes'] / MIB:.2f} MiB)")
+            if c.get("predicted_peak_bytes") is None:
+                out["prediction"].append(f"{call}: no plan")
+                continue
+            rel = (c["predicted_peak_bytes"] - peak) / peak
+            if abs(rel) > ZOO_PREDICTION_TOLERANCE:
+                out["prediction"].append(f"{call}: predicted {c['predicted_peak_bytes'] / MIB:.2f} MiB, measured "
+                                         f"{peak / MIB:.2f} MiB ({rel:+.1%})")
+    per_program: dict[str, int] = {}
+    for r in case.get("summary", {}).get("replans", []):
+        per_program[r["program"]] = per_program.get(r["program"], 0) + 1
+        if not case.get("replan_expected") or per_program[r["program"]] > 1:
+            out["replans"].append(f"{r['step']}: planned again (output usage {r['output_usage_before']} -> "
+                                  f"{r['output_usage_after']})")
+    return out
+
+
+def _loop_budget(case: dict) -> str:
+    nbytes = case.get("budget_bytes_all") or []
+    spec = "none" if case.get("budget") is None else str(case["budget"])
+    if not nbytes:
+        return spec
+    lo, hi = f"{nbytes[0] / MIB:.2f}", f"{nbytes[-1] / MIB:.2f}"
+    return f"{spec} ({lo} MiB)" if lo == hi else f"{spec} ({lo}-{hi} MiB)"
+
+
+def _loop_steps(case: dict) -> str:
+    m = case["summary"]
+    failed = [s for s in case["steps"] if s.get("outcome") != "fitted"]
+    text = f"{m['n_fitted']}/{m['n_steps']}"
+    if failed:
+        text += "; " + ", ".join(f"{s['step']}: {s['error']['type']}" for s in failed)
+    return text
+
+
+def loops_table(d: dict) -> str:
+    c = d["config"]
+    git = c.get("git") or {}
+    core = [f for f in git.get("modified", []) if f.startswith(("optsched/", "solvers/"))]
+    state = ("clean tree" if git.get("clean") else "tree state unknown" if git.get("clean") is None else
+             f"tree not clean: {len(git.get('modified', []))} files modified, {len(core)} of them in optsched/ and solvers/")
+    lines = [
+        f"{len(d['cases'])} loops of {c['steps']} optimizer steps, {c['size']} size ({c['layers']} layers, width "
+        f"{c['width']}, vocabulary {c['vocab']}, batch {c['batch']}, sequence {c['seq']}; lengths "
+        f"{', '.join(map(str, c['lengths']))}; UNet {c['image']}x{c['image']}), random weights; torch {c['torch']}, "
+        f"transformers {c['transformers']}, {c['threads']} CPU threads; commit {str(git.get('commit'))[:7]} ({state}), "
+        f"{c.get('date', '')[:10]}. Peaks in MiB at the allocator, per forward+backward call (what was live at its start, "
+        "gradients already accumulated included, plus its rise; the optimizer's state is outside the budget), each "
+        "step's calls measured again after the loop on the plans the loop made (a plan made under the profiler "
+        "would not know its kernels' scratch space); measured / budget: the largest measured peak, and in "
+        "brackets the call closest to (or furthest over) the bytes its plan was given, as a share of them; "
+        "predicted: the largest planned peak; time: the "
+        "loop's steps against eager's, timed alternately; plan s: the seconds of the loop's calls that planned "
+        "(capture, op timing, solving). "
+        f"The loops took {c['total_s'] / 60:.0f} min.",
+        "",
+        "| loop | model | budget | steps fitted | measured / budget | predicted | time vs eager | grads vs eager | plan s "
+        "| plans |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in d["cases"]:
+        head = f"| {case['loop']} | {case['model']} |"
+        if "error" in case:
+            lines.append(f"{head} {case['budget']} | fails: {case['error']['type']} ({case['error']['stage']}) | | | | | | |")
+            continue
+        m = case["summary"]
+        if m["measured_vs_budget"] is None:
+            ratio = "-"
+        else:
+            over = " OVER" if m["measured_vs_budget"] > 1 else ""
+            ratio = f"{m['measured_peak_bytes'] / MIB:.2f} ({m['measured_vs_budget']:.1%}){over}"
+        pred = "-" if m["predicted_peak_bytes"] is None else f"{m['predicted_peak_bytes'] / MIB:.2f}"
+        rel = m.get("worst_predicted_vs_measured")
+        if rel is not None and abs(rel) > ZOO_PREDICTION_TOLERANCE:
+            pred += f" ({rel:+.1%} vs measured)"
+        t = f"{case['time_ratio']:.2f}x" if "time_ratio" in case else ""
+        g = m["max_grad_diff"]
+        grads = "-" if not m["n_fitted"] else "missing" if g is None else "equal" if g == 0 else f"{g:.1e}"
+        if case.get("reference_grad_diff"):
+            grads += f" (torch.compile alone: {case['reference_grad_diff']:.1e})"
+        plans = f"{m['n_plans']}" + (f" ({len(m['replans'])} re-planned)" if m["replans"] else "")
+        failed = f"; failed calls {m['failed_calls_s']:.1f}" if m.get("failed_calls_s") else ""
+        lines.append(f"{head} {_loop_budget(case)} | {_loop_steps(case)} | {ratio} | {pred} | {t} | {grads} | "
+                     f"{case['planning_s']:.1f} (solver {case['solve_s']:.1f}{failed}) | {plans} |")
+    broken = [(case, k, f) for case in d["cases"] for k, fs in loop_contract_failures(case).items() for f in fs]
+    if broken:
+        lines += ["", "Contracts broken (every step fitted, gradients equal to eager's, every call within its budget, "
+                      f"predicted within {ZOO_PREDICTION_TOLERANCE:.0%} of measured, no program planned again where the "
+                      "model computes its loss):", ""]
+        lines += [f"- {case['model']}, {case['loop']}: {k}: {f}" for case, k, f in broken]
+    else:
+        lines += ["", "Every loop keeps every contract."]
+    notes = [f"- {case['model']}, {case['loop']}: {case['note']}" for case in d["cases"] if case.get("note")]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- tight budgets (benchmarks/tight_budgets.py)
 
 def _labels(runs: dict) -> list[str]:
@@ -563,6 +709,7 @@ TABLES = {
     "adam": ("adam_step.json", adam_table),
     "offline": ("plan_offline.json", offline_table),
     "zoo": ("zoo.json", zoo_table),
+    "loops": ("loops.json", loops_table),
     "tight": ("tight_budgets.json", tight_tables),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
     "chunking": ("chunking.json", chunking_table),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -158,6 +159,7 @@ class Dispatcher:
             entry = self._add(key)
         else:
             self.entries.move_to_end(key)
+        planned = entry.plan
         try:
             out = entry.call(*args, **kwargs)
         finally:
@@ -167,6 +169,11 @@ class Dispatcher:
             observer = entry.backend.observer if entry.backend is not None else None
             if observer is not None:
                 observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours
+                if entry.plan is not planned:
+                    # this call compiled: Dynamo leaves the frames of its compile in reference cycles that hold what
+                    # the call returned until a full collection; freed now, so the first backward sees only what the
+                    # caller holds (else a spurious "held", and a second plan)
+                    gc.collect()
         return out
 
     def _add(self, key: Hashable) -> _Entry:
@@ -432,13 +439,18 @@ def optimize(
     takes longer than time_limit_s). None (default) and True: on. False: CP-SAT races
     min(8, cores) workers against the wall clock (on many cores it may find better plans in the
     time; two runs may differ).
-    chunking: an LM head + cross-entropy in the training step (a matmul into a vocabulary, log-softmax,
-    nll loss) may run in token chunks (1, 2, 4, ..., 64), each chunk's loss and gradients computed at
+    chunking: an LM head + cross-entropy in the training step (a matmul into a vocabulary, bias or not,
+    log-softmax, nll loss; HF causal LMs called with labels, bf16 logits upcast, the shift, tied
+    embeddings) may run in token chunks (2, 4, ..., 64), each chunk's loss and gradients computed at
     once, so only one chunk's logits exist; the planner picks the count (the fastest plan within the
-    budget; 1, the captured graph, unless more chunks are faster or needed). True: on. None (default)
-    and False: off, the graph as captured (chunked gradients equal eager's to rounding, not bitwise: the
-    weight's gradient is summed chunk by chunk). An int: that many chunks (1: as captured), not a
-    choice. `plan.summary()["chunks"]` says what was chosen.
+    budget). Chunked gradients equal eager's to rounding, not bitwise (the weight's gradient is summed
+    chunk by chunk). None (default) and False: off, the graph as captured (gradients bitwise eager's);
+    an error then says when chunks could fit. "auto": only when needed: the graph as captured is
+    planned first, and chunk counts are tried only if it cannot meet the budget (the plan's notes then
+    say so). True: every count from the start (1, the captured graph, unless more chunks are faster or
+    needed). An int: that many chunks (1: as captured), not a choice. `plan.summary()["chunks"]` says
+    what was chosen; the plan's notes (chunking asked for) and a BudgetInfeasibleError say what was
+    tried, or why no chain was found.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
     if budget.auto and not torch.cuda.is_available():

@@ -292,21 +292,23 @@ class Planner:
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
             grads_at_start=self.grads_at_start,
         )
-        chains, skipped = find_chains(gm) if jg.is_training else ([], [])
-        chunking, counts = self.settings.chunking, self.settings.chunk_counts
-        on = chunking is not None and chunking is not False and counts != (1,)  # True, or a count forced
-        if chains and on:
+        chunking, when_needed = self.settings.chunking, self.settings.chunk_when_needed
+        asked = jg.is_training and (when_needed or self.settings.chunk_counts != (1,))  # "auto", True, a count > 1
+        chains, skipped = find_chains(gm) if asked else ([], [])  # chunking off: looked for only if nothing fits
+        if chains and not when_needed:
             plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains)
         else:
             try:
                 plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
             except BudgetInfeasibleError as e:
-                if chains and chunking is None:  # the default: chunks where the budget cannot be met without them
+                if chains:  # "auto": chunks where the budget cannot be met without them
                     plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains, captured=e)
                 else:
-                    _say_why_not_chunked(e, gm, chains, skipped, chunking)
+                    if jg.is_training and not asked:
+                        chains, skipped = find_chains(gm)
+                    _say_why_not_chunked(e, gm, chains, skipped, chunking, asked)
                     raise
-            if jg.is_training and not chains and (on or skipped):
+            if asked and not chains:
                 plan.stats.notes.append(f"chunking: no LM head + cross-entropy chain found: {why_no_chain(gm, skipped)}")
         if chains and skipped:
             plan.stats.notes.append("chunking: left alone: " + "; ".join(skipped))
@@ -335,9 +337,9 @@ class Planner:
         then only add time. The winner's graph replaces `gm`'s and `jg` is rebuilt for it, so the caller
         lowers the graph that was planned.
 
-        `captured`: chunking=None (the default), where the graph as captured was planned first and did not
-        fit (this error): the counts above 1 are tried for the budget it failed, and a plan that fits says
-        that its gradients equal eager's to rounding. When no count fits, the error covers every count
+        `captured`: chunking="auto", where the graph as captured was planned first and did not fit (this
+        error): the counts above 1 are tried for the budget it failed, and a plan that fits says that its
+        gradients equal eager's to rounding. When no count fits, the error covers every count
         tried: its bound is the lowest of theirs (one graph's bound does not hold for another's plans)."""
         t = self.target
         if captured is not None:
@@ -393,10 +395,9 @@ class Planner:
             for c in tried) + f"; chose {k}")
         if captured is not None:
             plan.stats.notes.append(
-                f"chunking: the graph as captured does not fit {budget_bytes / mib:.2f} MiB (lowest peak found "
-                f"{captured.lowest_peak_bytes / mib:.2f} MiB), so {', '.join(names)} runs in {k} token chunks: its "
-                "gradients equal eager's to rounding, not bitwise (the weight's gradient is summed chunk by chunk); "
-                "chunking=False keeps the graph as captured")
+                f"chunking='auto': the graph as captured does not fit {budget_bytes / mib:.2f} MiB (lowest peak "
+                f"found {captured.lowest_peak_bytes / mib:.2f} MiB), so {', '.join(names)} runs in {k} token chunks: "
+                "its gradients equal eager's to rounding, not bitwise (the weight's gradient is summed chunk by chunk)")
         plan.chunk_trials = [
             {"chunks": c[0], "fits": c[1] is not None, "predicted_peak_bytes": c[1].sim.peak_bytes if c[1] else None,
              "estimated_time_s": c[1].sim.time_s if c[1] else None,
@@ -611,16 +612,17 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
 
 
 def _say_why_not_chunked(e: BudgetInfeasibleError, gm: fx.GraphModule, chains: list[Chain], skipped: list[str],
-                         chunking) -> None:
-    """The error of a graph planned as captured says what chunking could have done: with chunking=False and
-    a chain, that its bound is the captured graph's only (chunked plans need less); with chunking on (or by
-    default, where a cross-entropy was refused), why no chain was found."""
-    if chains and (chunking is False or type(chunking) is int and chunking == 1):
-        text = e.args[0].replace(", and none can: every plan", ", and none can with the LM head + cross-entropy as captured: every such plan")
+                         chunking, asked: bool) -> None:
+    """The error of a graph planned as captured says what chunking could have done: with chunking off (the
+    default, False, or 1) and a chain, that its bound is the captured graph's only (chunked plans are not
+    covered); with chunking asked for, or a cross-entropy refused, why no chain was found."""
+    if chains and not asked:
+        text = e.args[0].replace(", and none can: every plan",
+                                 ", and none can with the LM head + cross-entropy as captured: every such plan")
         heads = ", ".join(f"{c.name} ({c.shape[0]} tokens, vocabulary {c.shape[2]})" for c in chains)
-        e.args = (f"{text}; chunking={chunking!r}: {heads} could run in token chunks, which needs less memory than "
-                  "this (chunking=None, the default, or True)",)
-    elif not chains and (skipped or (chunking is not None and chunking is not False)):
+        e.args = (f"{text}; chunking={chunking!r}: {heads} could run in token chunks, which that bound does not "
+                  "cover (chunking='auto' chunks it where the budget needs it, True lets the planner choose)",)
+    elif not chains and (skipped or asked):
         e.args = (f"{e.args[0]}; chunking found no LM head + cross-entropy chain to run in chunks "
                   f"({why_no_chain(gm, skipped)}), so this covers every plan",)
 

@@ -27,20 +27,37 @@ class PlanningSettings:
     plan: str | os.PathLike | None = None
     on_mismatch: str = "error"
     deterministic: bool | None = None
-    chunking: bool | int | None = None
+    chunking: bool | int | str | None = None
 
     @property
     def chunk_counts(self) -> tuple[int, ...]:
-        """The chunk counts the planner may give an LM head + cross-entropy chain (passes/chunking.py):
-        all of CHUNK_COUNTS when it is on, only 1 (the graph as captured) when off (the default: chunked
-        gradients equal eager's to rounding, not bitwise), or the one count forced."""
+        """The chunk counts the planner gives an LM head + cross-entropy chain (passes/chunking.py) from the
+        start: all of CHUNK_COUNTS when chunking is True, the one count forced by an int, only 1 (the graph as
+        captured) when None (the default), False or "auto" (which tries the counts above 1 only when the graph
+        as captured cannot meet the budget: `chunk_when_needed`). Chunked gradients equal eager's to
+        rounding, not bitwise."""
         from .lower.chunked_ce import CHUNK_COUNTS
 
-        if self.chunking is None or self.chunking is False:
+        if self.chunking is None or self.chunking is False or self.chunk_when_needed:
             return (1,)
         if self.chunking is True:
             return CHUNK_COUNTS
         return (int(self.chunking),)
+
+    @property
+    def chunk_when_needed(self) -> bool:
+        """chunking="auto": plan the graph as captured, and chunk counts only where it cannot meet the budget
+        (`Planner._solve_graph`). Not the default: the default keeps gradients bitwise eager's (tests
+        assert that of default plans at budgets recomputation alone cannot meet)."""
+        if isinstance(self.chunking, str) and self.chunking != "auto":
+            raise ValueError(f"chunking must be True, False, None, 'auto' or a chunk count, got {self.chunking!r}")
+        return self.chunking == "auto"
+
+    @property
+    def chunk_key(self) -> list[int] | str:
+        """What the plan cache keys of the chunking setting: the counts, or "auto", whose plans may be chunked
+        (a plan cached under "auto" is not what the default or chunking=False replays)."""
+        return "auto" if self.chunk_when_needed else list(self.chunk_counts)
 
     @property
     def deterministic_planning(self) -> bool:

@@ -170,6 +170,121 @@ def min_time_within(plans: list[Plan], budget: int | None) -> float:
     return min((p.time_s for p in plans if budget is None or p.peak_bytes <= budget), default=float("inf"))
 
 
+def least_time_within(
+    problem: Problem, fw_order: list[int], bw_order: list[int], budget: int | None, ops: list[int] | None = None,
+) -> Plan | None:
+    """The plan `enumerate_plans` would find fastest within the budget (None when none fits), found without
+    simulating every subset: subsets of `ops` (default: the recomputable forward ops) are visited in order of
+    their ops' summed time and the first whose placed plan fits is the fastest.
+
+    Why that is exact: `place_recomputes(S)` recomputes the ops of S some backward step needs (kept(S) <= S),
+    and `place_recomputes(kept(S))` is the same schedule (the placement only ever looks at ops it reaches), so
+    every plan's time is the base time plus the summed time of a subset that yields it. The fastest fitting
+    plan's subset K comes no later than any subset of larger sum, and the first fitting subset F (sum(F) <=
+    sum(K)) gives a plan no slower than base + sum(F) <= base + sum(K): the fastest. Each visited plan's time
+    is checked to be at most base + sum(S), which the argument rests on.
+
+    Subsets are simulated only when what their plan surely holds (`_surely_held`, lower bounds on its peak at
+    the forward's end and at each backward step, checked against each simulated plan) fits the budget, and
+    subsets that follow from one by recomputing ops that cannot free enough are not visited."""
+    import heapq
+
+    import numpy as np
+
+    ops = sorted(recomputable_fw_ops(problem) if ops is None else list(ops), key=lambda o: problem.ops[o].time_s)
+    cost = [problem.ops[o].time_s for o in ops]
+    base = simulate(problem, place_recomputes(problem, fw_order, bw_order, [])).time_s
+    held0, freed = _surely_held(problem, bw_order)
+    gain = [freed.get(o, np.zeros_like(held0)) for o in ops]
+    suffix = [sum(gain[i:], np.zeros_like(held0)) for i in range(len(ops) + 1)]  # the most ops[i:] can free
+
+    def may_fit(prefix_freed, first_free: int) -> bool:
+        """Whether some subset of (the prefix) + ops[first_free:] may fit, by what its plan surely holds."""
+        return budget is None or int((held0 - prefix_freed - suffix[first_free]).max()) <= budget
+
+    # subsets in nondecreasing summed time: from (.., i) go to (.., i, i+1) and (.., i+1) (each subset once)
+    heap = [(0.0, (), np.zeros_like(held0))]  # (summed time, indices, what they free at each point)
+    while heap:
+        total, idx, gone = heapq.heappop(heap)
+        last = idx[-1] if idx else -1
+        subset = [ops[i] for i in idx]
+        held = int((held0 - gone).max())
+        if budget is None or held <= budget:
+            sched = place_recomputes(problem, fw_order, bw_order, subset)
+            # a subset with ops the placement drops gives the plan of the ops it keeps, visited already
+            if len(sched.bw_order) - len(bw_order) == len(subset):
+                sim = simulate(problem, sched)
+                assert sim.time_s <= base + total + 1e-12 * max(1.0, sim.time_s), (idx, sim.time_s, base, total)
+                at = [len(fw_order) - 1] + [len(fw_order) + sched.bw_order.index(b) for b in bw_order]
+                surely = held0 - gone
+                assert all(int(h) <= sim.timeline[j] for h, j in zip(surely, at) if j >= 0), (subset, surely, sim.timeline)
+                if budget is None or sim.peak_bytes <= budget:
+                    return Plan(frozenset(subset), sched, sim.peak_bytes, sim.time_s)
+        nxt = last + 1
+        if nxt < len(ops):
+            if may_fit(gone, nxt):  # idx + (nxt,) and what follows from it
+                heapq.heappush(heap, (total + cost[nxt], (*idx, nxt), gone + gain[nxt]))
+            if idx and may_fit(gone - gain[last], nxt):  # idx with its last op replaced by nxt, and what follows
+                heapq.heappush(heap, (total - cost[last] + cost[nxt], (*idx[:-1], nxt), gone - gain[last] + gain[nxt]))
+    return None
+
+
+def _surely_held(problem: Problem, bw_order: list[int]):
+    """Lower bounds on a plan's live bytes at a few points, linear in the ops it recomputes (placed by
+    `place_recomputes`, so a backward op reads the recomputed copy of a value whose producer is recomputed):
+    (nothing recomputed, per point) and, per forward op, what recomputing it takes off at each point.
+
+    Points: the forward's last step, holding the inputs, the forward's step outputs and returned values and
+    every forward value a backward op reads from an op not recomputed; and each backward op's step, holding
+    the inputs, tangents, step outputs made so far, every value a later backward op reads (made by the
+    forward: from an op not recomputed) and, unless it writes into an input (storage reuse), the op's own
+    inputs (the original or the recomputed copy), outputs and workspace. Nothing counted at a backward step
+    dies there, so no storage reuse there can end it."""
+    import numpy as np
+
+    tensors = problem.tensors
+    pos = {b: k for k, b in enumerate(bw_order)}
+
+    def fw_made(t: int) -> bool:
+        p = tensors[t].producer
+        return p is not None and problem.ops[p].phase is Phase.FW
+
+    last_read: dict[int, int] = {}
+    for b in bw_order:
+        for t in problem.ops[b].inputs:
+            last_read[t] = max(last_read.get(t, -1), pos[b])
+    fixed = {t.id for t in tensors if t.kind in (TensorKind.INPUT, TensorKind.TANGENT)}
+    inputs = sum(t.bytes for t in tensors if t.kind is TensorKind.INPUT)
+    outs = {t for t in problem.outputs if fw_made(t)}
+    at_end = outs | {t for t in problem.returned if fw_made(t)}
+    n = len(bw_order) + 1  # point 0: the forward's end; point k + 1: backward step k
+    held = np.zeros(n, dtype=np.int64)
+    held[0] = inputs + sum(tensors[t].bytes for t in at_end)
+    freed: dict[int, np.ndarray] = {}
+    for k, b in enumerate(bw_order):
+        op = problem.ops[b]
+        own = set() if op.reuse else (set(op.inputs) | set(op.outputs)) - fixed
+        sure = fixed | outs | own
+        for t in problem.outputs:  # the backward's step outputs made so far
+            p = tensors[t].producer
+            if p is not None and p in pos and pos[p] < k:
+                sure.add(t)
+        later = {t for t, j in last_read.items() if j > k and t not in sure}
+        bw_later = {t for t in later if not fw_made(t) and tensors[t].producer in pos and pos[tensors[t].producer] < k}
+        held[k + 1] = sum(tensors[t].bytes for t in sure | bw_later) + (0 if op.reuse else op.workspace_bytes)
+        for t in later:
+            if fw_made(t):
+                held[k + 1] += tensors[t].bytes
+                p = tensors[t].producer
+                freed.setdefault(p, np.zeros(n, dtype=np.int64))[k + 1] += tensors[t].bytes
+    for t in last_read:
+        if fw_made(t) and t not in at_end:
+            held[0] += tensors[t].bytes
+            p = tensors[t].producer
+            freed.setdefault(p, np.zeros(n, dtype=np.int64))[0] += tensors[t].bytes
+    return held, freed
+
+
 def topological_fw_orders(problem: Problem, limit: int = 200) -> list[list[int]]:
     """Up to `limit` topological orders of the forward (program order first)."""
     fw = [o.id for o in problem.fw_ops]

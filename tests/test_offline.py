@@ -277,8 +277,8 @@ def test_offline_plan_file_replays_in_optimize(tmp_path):
     ref = model(*inputs)
     ref.backward()
     assert torch.equal(loss, ref)
-    for n, p in model.named_parameters():
-        assert torch.allclose(grads[n].float(), p.grad.float(), atol=1e-2), n
+    for n, p in model.named_parameters():  # bitwise: recomputation reruns the same CPU kernels on the same values
+        assert torch.equal(grads[n], p.grad), (n, (grads[n].float() - p.grad.float()).abs().max().item())
 
 
 def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):

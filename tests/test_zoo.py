@@ -12,8 +12,11 @@ on that run:
   random numbers in the same order as eager (a plan that recomputed a random op would draw
   new ones). Only where eager itself does not repeat bitwise under the same seed (no case
   today) is a tolerance of 1e-6 used;
-* measured peak within the budget at 60% (a `BudgetInfeasibleError` passes only when its
-  proven bound is above the budget: then no plan can fit);
+* measured peak within the budget at 60%. A `BudgetInfeasibleError` fails the case: its bound (the
+  value under test) is first checked against what the run saw (no higher than the lowest peak the
+  search found, the no-budget plan's predicted and measured peaks and eager's measured peak), and a
+  case whose 60% is known to be out of reach is marked xfail(strict) with the reason
+  (`OUT_OF_REACH_AT_60`), so that it reports XPASS, a failure, once a plan fits;
 * predicted peak within 1% of the measured one;
 * with no budget, the measured peak is not above eager's measured peak by more than
   `ZOO_NO_BUDGET_SLACK_BYTES` (1 KiB): the CPU allocator reports requested sizes, unrounded,
@@ -36,9 +39,23 @@ DEFAULT_SUBSET = ("llama-labels", "llama-outside", "checkpoint")
 BUDGETS = (None, 0.6)
 _results: dict[str, dict] = {}
 
+# cases whose 60% no plan reaches at the test size, each with why (what the planner proves); the case's
+# within-budget test is xfail(strict) for them
+OUT_OF_REACH_AT_60: dict[str, str] = {
+    "llama-outside": "the loss outside holds the caller's logits and loss tensors across the forward/backward "
+                     "boundary: every plan needs at least 4.08 MiB (the planner's bound, checked against the "
+                     "run's plans: lowest found 5.24, no budget 6.03, eager 6.04 MiB), 60% is 3.62 MiB",
+}
+
 
 def _case_params():
     return [pytest.param(name, id=name, marks=() if name in DEFAULT_SUBSET else (pytest.mark.zoo,)) for name in zoo.CASES]
+
+
+def _budget_case_params():
+    return [pytest.param(p.values[0], id=p.id, marks=(*p.marks, *(
+        (pytest.mark.xfail(strict=True, reason=OUT_OF_REACH_AT_60[p.id]),) if p.id in OUT_OF_REACH_AT_60 else ())))
+        for p in _case_params()]
 
 
 def _run(name: str) -> dict:
@@ -76,14 +93,32 @@ def test_gradients_equal_eager(name):
         assert row["max_grad_diff"] <= tol, f"budget {fraction}: gradients differ from eager by {row['max_grad_diff']:.2e}"
 
 
-@pytest.mark.parametrize("name", _case_params())
+def _check_reported_bound(res: dict, row: dict) -> None:
+    """The lower bound a `BudgetInfeasibleError` reports ("no plan goes below"), against the peaks this run saw
+    of real plans of the same step: the lowest the search found at this budget, the plan made with no budget
+    (predicted and measured: the prediction is within ZOO_PREDICTION_TOLERANCE of what runs) and eager's."""
+    bound = row["lower_bound_bytes"]
+    seen = {"the lowest peak found at this budget": row["lowest_peak_bytes"],
+            "eager's measured peak": res["eager"]["measured_peak_bytes"] * (1 + ZOO_PREDICTION_TOLERANCE)}
+    free = _row(res, None)
+    if not free.get("infeasible"):
+        seen["the no-budget plan's predicted peak"] = free["predicted_peak_bytes"]
+        seen["the no-budget plan's measured peak"] = free["measured_peak_bytes"] * (1 + ZOO_PREDICTION_TOLERANCE)
+    above = {k: v for k, v in seen.items() if bound > v}
+    assert not above, f"the reported bound {bound / MIB:.3f} MiB is above " + ", ".join(
+        f"{k} ({v / MIB:.3f} MiB)" for k, v in above.items())
+
+
+@pytest.mark.parametrize("name", _budget_case_params())
 def test_within_budget_at_60_percent(name):
-    row = _row(_run(name), 0.6)
+    res = _run(name)
+    row = _row(res, 0.6)
     if row.get("infeasible"):
-        if row["lower_bound_bytes"] > row["budget_bytes"]:
-            pytest.skip(f"60% is out of reach: proven bound {row['lower_bound_bytes'] / MIB:.2f} MiB > budget")
+        _check_reported_bound(res, row)
+        proven = row["lower_bound_bytes"] > row["budget_bytes"]
         pytest.fail(f"BudgetInfeasibleError at {row['budget_bytes'] / MIB:.2f} MiB: lowest found "
-                    f"{row['lowest_peak_bytes'] / MIB:.2f} MiB, proven bound {row['lower_bound_bytes'] / MIB:.2f} MiB")
+                    f"{row['lowest_peak_bytes'] / MIB:.2f} MiB, bound {row['lower_bound_bytes'] / MIB:.2f} MiB"
+                    + (" (no plan can fit: if that is right, list the case in OUT_OF_REACH_AT_60)" if proven else ""))
     assert row["within_budget"], f"measured {row['measured_peak_bytes']} B > budget {row['budget_bytes']} B"
 
 

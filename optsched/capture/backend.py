@@ -21,7 +21,7 @@ from ..lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from ..lower.programs import boxed, lower_inference, lower_training
 from ..passes.identity_clones import drop_identity_clones
 from ..passes.prepare import prepare_inference
-from ..planner import Planner, Target
+from ..planner import CostCache, Planner, Target
 from ..plans.file_format import PlanFile
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
@@ -94,8 +94,10 @@ class PlanningBackend:
         resolution: BudgetResolution | None = None,
         carried: dict[str, list[PlanFile]] | None = None,
         grads_at_start: bool = False,
+        cost_cache: CostCache | None = None,
     ):
         self.settings = settings
+        self.cost_cache = cost_cache  # measured op costs shared with the optimized callable's other programs
         self.grads_at_start = grads_at_start  # an accumulation step: gradients live from the start (api.grads_at_start)
         self.on_plan = on_plan
         self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
@@ -110,7 +112,7 @@ class PlanningBackend:
         target = Target.for_device(self.settings, device_of(example_inputs) or torch.device("cpu"))
         self.planner = Planner(
             self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
-            observed_usage=self.usage, grads_at_start=self.grads_at_start,
+            observed_usage=self.usage, grads_at_start=self.grads_at_start, cost_cache=self.cost_cache,
         )
         self.planner.hold_inputs(list(example_inputs))
         return aot_autograd(**aot_hooks(self))(gm, example_inputs)
@@ -144,10 +146,14 @@ class PlanningBackend:
 
         def backward(args: list):
             tangents = fill_missing_tangents(args, positions)
-            if observer is not None:
-                observer.backward_start(tangents)
+            if observer is None:
+                del tangents
+                return run(args)
+            observer.backward_start(tangents, args)  # args: an output the backward reads may be the caller's tensor
             del tangents
-            return run(args)
+            grads = run(args)
+            observer.backward_done()
+            return grads
 
         backward._boxed_call = True  # type: ignore[attr-defined]
         return backward

@@ -82,8 +82,9 @@ class UsageObserver:
 
     `forward_done` keeps weak references to the tensors the forward returned; for a view output (which
     AOTAutograd hands the caller as a new tensor over our storage) `bind_visible` takes the caller's tensor
-    instead. `backward_start` reads which tangents arrived and which outputs are still alive, and reports a
-    usage that differs from the plan's through `on_change` (once per program: the next call re-plans)."""
+    instead. `backward_start` reads which tangents arrived and which outputs are still alive (`backward_done`
+    those the backward itself holds), and reports a usage that differs from the plan's through `on_change`
+    (once per program: the next call re-plans)."""
 
     def __init__(
         self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage, OutputUsage], None] | None,
@@ -100,6 +101,7 @@ class UsageObserver:
         self.bound = [False] * n
         self.reported = False
         self.n_outputs = n
+        self.pending: tuple[list[bool], list[bool], list[bool]] | None = None  # a check left for backward_done
 
     def forward_done(self, outputs: list, n_fw_outputs: int) -> None:
         outs = outputs[:n_fw_outputs]
@@ -117,15 +119,40 @@ class UsageObserver:
             if isinstance(t, torch.Tensor) and (i := pending.pop(t.untyped_storage().data_ptr(), None)) is not None:
                 self.refs[i], self.bound[i] = weakref.ref(t), True
 
-    def backward_start(self, tangents: list) -> None:
+    def backward_start(self, tangents: list, saved: list | None = None) -> None:
+        """Which tangents arrived, and which outputs the caller still holds. `saved`: the backward's arguments.
+        An output the backward also reads may be that very tensor (autograd saves an output no gradient flows
+        into as the original, e.g. a frozen layer's key/value cache), so it is alive whatever the caller did:
+        such an output is looked at again once the backward is done (`backward_done`), when only the caller
+        can still hold it."""
+        self.pending = None
         if self.reported or self.on_change is None or not self.refs:
             return
         grad = [False] * len(self.planned.grad)
         for t, i in zip(tangents, self.tangent_of):
             if i is not None and t is not None:
                 grad[i] = True
-        held = [r is not None and r() is not None for r in self.refs]
-        held += [False] * (len(grad) - len(held))
+        ours = {id(a) for a in saved or () if isinstance(a, torch.Tensor)}
+        alive = [r() if r is not None else None for r in self.refs]
+        deferred = [t is not None and id(t) in ours for t in alive]
+        held = [t is not None and not d for t, d in zip(alive, deferred)]
+        del alive  # no strong reference past this point: the backward frees what it reads
+        if any(deferred):
+            self.pending = (grad, held, deferred)
+        else:
+            self._report(grad, held)
+
+    def backward_done(self) -> None:
+        """After the backward ran: outputs it read as its own arguments are held if something still holds them."""
+        if self.pending is None:
+            return
+        grad, held, deferred = self.pending
+        self.pending = None
+        held = [h or (d and r is not None and r() is not None) for h, d, r in zip(held, deferred, self.refs)]
+        self._report(grad, held)
+
+    def _report(self, grad: list[bool], held: list[bool]) -> None:
+        held = held + [False] * (len(grad) - len(held))
         unseen = [s or (v and not b) for s, v, b in zip(self.scalar, self.views, self.bound)]
         held = [self.planned.held[i] if unseen[i] else h for i, h in enumerate(held[: len(grad)])]
         seen = OutputUsage(tuple(grad), tuple(held))

@@ -101,10 +101,14 @@ def _val(a):
 log = logging.getLogger(__name__)
 FLOP_FORMULA_FAILURES: Counter[str] = Counter()
 """Per op overload, how often torch's FLOP formula raised (the op then costs its bytes only)."""
+FLOP_FAILURE_NOTE = "op(s) costed with 0 FLOPs: their FLOP formula raised"
+"""What a plan's note says of them (`solvers.model.problem.Rejections`: "N op(s) ...: op: error; ...")."""
 
 
 def node_flops(node: fx.Node) -> int:
-    """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for)."""
+    """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for). A formula that raises
+    counts 0 too: logged once per op, counted in `FLOP_FORMULA_FAILURES` and, while a `Rejections` collector
+    is open (the planner's), noted per op there (`FLOP_FAILURE_NOTE`)."""
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
 
@@ -123,6 +127,11 @@ def node_flops(node: fx.Node) -> int:
             log.info("no FLOP count for %s: torch's formula raised %s: %s; counted as 0 FLOPs (its bytes still count)",
                      name, type(e).__name__, e)
         FLOP_FORMULA_FAILURES[name] += 1
+        from ..solvers.model.problem import open_rejections
+
+        collecting = open_rejections()  # the planner's, around the planning of a graph: a note on its plan
+        if collecting is not None:
+            collecting.add_item(FLOP_FAILURE_NOTE, name, e)
         return 0
 
 

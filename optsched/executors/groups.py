@@ -9,6 +9,7 @@ the executor compiles once per distinct structure, and is timed once.
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
 from collections.abc import Callable
@@ -25,7 +26,9 @@ from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
 from ..costs.measure import measure_peak
 from ..solvers.search.fusion_groups import check_group, internal_tensors
-from ..solvers.model.problem import Problem
+from ..solvers.model.problem import Problem, convexity_violation, reject
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -174,7 +177,10 @@ def horizontal_candidates(
             continue
         try:
             check_group(problem, members)
-        except ValueError:
+        except ValueError as e:
+            if convexity_violation(problem, members) is None:
+                raise  # a class is of one phase, in program order: only not being convex is expected
+            reject(log, "horizontal fusion candidate(s) rejected, not convex", e)
             continue
         out.append(members)
     return out[:limit]

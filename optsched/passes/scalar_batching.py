@@ -17,13 +17,17 @@ in the last bit than the one-element kernel (`pow` does on CPU).
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
 import networkx as nx
 from torch import fx
 
+from ..solvers.model.problem import reject, rejections_in
 from .inplace import output_items
+
+log = logging.getLogger(__name__)
 
 __all__ = ["batch_scalar_foreach", "batch_scalar_ops"]
 
@@ -44,11 +48,13 @@ def _scalar_list(items, dtype=None) -> bool:
 
 def _elementwise(op: fx.Node, fake_args: list):
     """The ATen overload computing `op` elementwise on vectors (same name without `_foreach_`), and
-    its output value, or None."""
+    its output value, or None and the error of the last overload tried (None when none was tried).
+    Overloads that do not take these arguments raise (TypeError, RuntimeError): the next one is tried."""
     name = op.target.overloadpacket.__name__.removeprefix("_foreach_")
     packet = getattr(torch.ops.aten, name, None)
     if packet is None:
-        return None
+        return None, None
+    error = None
     for overload_name in packet.overloads():
         overload = getattr(packet, overload_name)
         schema = overload._schema
@@ -56,11 +62,13 @@ def _elementwise(op: fx.Node, fake_args: list):
             continue
         try:
             out = overload(*fake_args, **op.kwargs)
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError) as e:  # not this overload's arguments: try the next
+            log.debug("%s does not take %s's arguments as vectors: %s: %s", overload, op.name, type(e).__name__, e)
+            error = e
             continue
         if isinstance(out, torch.Tensor):
-            return overload, out
-    return None
+            return (overload, out), None
+    return None, error
 
 
 def _fake_mode(gm: fx.GraphModule):
@@ -148,8 +156,11 @@ def batch_scalar_foreach(gm: fx.GraphModule) -> int:
             columns = [tuple(a) if isinstance(a, (list, tuple)) else None for a in op.args]
             new_args, fake_args = _vector_args(vectors, op.args, columns)
             with mode:
-                found = _elementwise(op, fake_args)
+                found, error = _elementwise(op, fake_args)
             if found is None:
+                if error is not None:  # left as it is: one launch per scalar, said on the plan
+                    reject(log, "foreach op(s) over scalars left unbatched, no elementwise overload took their arguments",
+                           error, into=rejections_in(gm.meta))
                 continue
             overload, val = found
             vectors.replace(items, overload, tuple(new_args), dict(op.kwargs), val)

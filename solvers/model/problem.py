@@ -15,6 +15,10 @@ the same peak and time).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -285,6 +289,95 @@ class SolveStats:
             "method": self.method,
             "notes": list(self.notes),
         }
+
+
+NOTE_ITEMS = 5  # items a `Rejections` note names; the rest are counted
+
+
+class Rejections:
+    """Errors a search expected and recovered from (a candidate plan the simulator refuses, a fusion group
+    that is not convex, ...): counted per kind, the first error of each kind kept, and summed up as notes
+    (`SolveStats.notes`, a plan's notes), so that nothing is dropped unsaid. `solve()` collects the search's;
+    the planner opens one around the planning of a graph for its own (groups, FLOP formulas). Collectors
+    nest: an error is counted once, in the innermost one open (`collecting_rejections`)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}  # (what, error type) -> how many
+        self.first: dict[tuple[str, str], str] = {}  # (what, error type) -> the first error's message
+        self.items: dict[str, dict[str, str]] = {}  # what -> item -> its error ("Type: message"), the first per item
+
+    def add(self, what: str, error: BaseException) -> None:
+        key = (what, type(error).__name__)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.first.setdefault(key, str(error))
+
+    def add_item(self, what: str, item: str, error: BaseException) -> None:
+        """An error about `item` (an op): noted once per item, with its error."""
+        self.items.setdefault(what, {}).setdefault(item, f"{type(error).__name__}: {error}")
+
+    def copy(self) -> Rejections:
+        out = Rejections()
+        out.counts, out.first = dict(self.counts), dict(self.first)
+        out.items = {k: dict(v) for k, v in self.items.items()}
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.counts or self.items)
+
+    def notes(self) -> list[str]:
+        """One note per kind: "N <what>: <error type>: <first message>" (e.g. "3 candidate(s) rejected in the
+        segment search: ScheduleError: ...") and, for items, "N <what>: <item>: <error>; ..."."""
+        out = [f"{n} {what}: {kind}: {self.first[(what, kind)]}" for (what, kind), n in self.counts.items()]
+        for what, items in self.items.items():
+            shown = "; ".join(f"{item}: {e}" for item, e in list(items.items())[:NOTE_ITEMS])
+            more = f"; and {len(items) - NOTE_ITEMS} more" if len(items) > NOTE_ITEMS else ""
+            out.append(f"{len(items)} {what}: {shown}{more}")
+        return out
+
+
+_REJECTIONS: contextvars.ContextVar[Rejections | None] = contextvars.ContextVar("optsched_rejections", default=None)
+REJECTIONS_META = "optsched_rejections"  # a GraphModule's meta key for what its passes recovered from (`rejections_in`)
+
+
+@contextlib.contextmanager
+def collecting_rejections(into: Rejections | None = None) -> Iterator[Rejections]:
+    """Within this block `reject` counts into `into` (a new `Rejections` by default), which it yields."""
+    sink = Rejections() if into is None else into
+    token = _REJECTIONS.set(sink)
+    try:
+        yield sink
+    finally:
+        _REJECTIONS.reset(token)
+
+
+def open_rejections() -> Rejections | None:
+    """The innermost collector open here, or None."""
+    return _REJECTIONS.get()
+
+
+def rejections_in(meta: dict) -> Rejections:
+    """The `Rejections` kept in a graph's `meta` dict (made on first use): what passes that run before
+    planning recovered from, for the planner to note on the graph's plan."""
+    found = meta.get(REJECTIONS_META)
+    if not isinstance(found, Rejections):
+        found = meta[REJECTIONS_META] = Rejections()
+    return found
+
+
+def reject(log: logging.Logger, what: str, error: BaseException, *, item: str | None = None,
+           into: Rejections | None = None) -> None:
+    """An expected error that makes the caller drop a candidate and go on (`what`: what happened, counted,
+    e.g. "candidate(s) rejected in the chain search"): logged at debug with the exception, and counted
+    in `into`, else in the innermost collector open (none open: logged only). `item`: the error is about
+    one named thing (an op), noted once per item."""
+    log.debug("%s: %s: %s", what, type(error).__name__, error, exc_info=error)
+    sink = into if into is not None else _REJECTIONS.get()
+    if sink is None:
+        return
+    if item is None:
+        sink.add(what, error)
+    else:
+        sink.add_item(what, item, error)
 
 
 def default_schedule(problem: Problem) -> Schedule:

@@ -20,17 +20,20 @@ margin and the chain is solved again; a pass that helps is followed by another f
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from ..cpsat.chain import BlockOption, ChainSegment, CopyLimits, choose_options
 from ..cpsat.common import memory_unit
 from ..cpsat.segment import free_ops, replan_segment
 from ..model import clock
-from ..model.problem import Phase, Problem, Schedule, ScheduleError
+from ..model.problem import Phase, Problem, Schedule, ScheduleError, reject
 from ..model.simulator import SimResult, simulate
 from .blocks import Groups, find_groups, segments
 from .heuristics import place_recomputes
 from .segments import SEGMENT_S, better, offload_window, replace_run, same_shape
+
+log = logging.getLogger(__name__)
 
 MIN_BLOCKS = 3  # fewer repeated blocks: copying one answer is as good
 KEPT_NOW = (0.75, 0.5, 1.25, 0.0, 1.5, 2.0)  # caps on a segment's kept bytes, tried in this order: shares of
@@ -202,10 +205,7 @@ def _measure(problem: Problem, sim: SimResult, groups: Groups, g: int, opt: _Opt
     trial = _apply(problem, sim, groups, g, {g: opt})
     if trial is None:
         return None
-    try:
-        tsim = simulate(problem, trial)
-    except ScheduleError:
-        return None
+    tsim = simulate(problem, trial)  # _apply returns only a plan that replayed: an error here is a bug
     outs = {t for f in opt.free for t in problem.ops[f].outputs}
 
     def kept(s: SimResult) -> int:
@@ -236,7 +236,8 @@ def _apply(problem: Problem, sim: SimResult, groups: Groups, rep: int, picked: d
             continue
         try:
             cur, sched = simulate(problem, trial), trial
-        except ScheduleError:
+        except ScheduleError as e:  # the option does not run in this group's plan: it keeps its own
+            reject(log, "candidate(s) rejected in the chain search (a block option that does not run in its plan)", e)
             continue
     return sched
 

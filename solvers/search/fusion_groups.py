@@ -15,12 +15,15 @@ options (`Problem.fusion_options`, decided by the solver) merged the same way, f
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import networkx as nx
 
 from ..model.fusion_sim import internal_tensors
-from ..model.problem import Op, Phase, Problem, Schedule, ScheduleError, convexity_violation
+from ..model.problem import Op, Phase, Problem, Schedule, ScheduleError, convexity_violation, reject
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -205,7 +208,11 @@ def find_groups(problem: Problem, fusible: list[bool]) -> list[list[int]]:
             continue
         try:
             check_group(problem, members)
-            groups.append(members)
-        except ValueError:
+        except ValueError as e:
+            if convexity_violation(problem, members) is None:
+                raise  # the sets above are of one phase, in order: only not being convex is expected
+            reject(log, "vertical fusion group(s) not convex, fused as their chains", e)
             groups += find_chains(problem, [f and i in component for i, f in enumerate(fusible)])
+        else:
+            groups.append(members)
     return sorted(groups)

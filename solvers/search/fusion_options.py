@@ -17,14 +17,17 @@ the plan's peak); the simulator judges that too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from ..cpsat.segment import replan_segment
 from ..model import clock
-from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats
+from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats, collecting_rejections, reject
 from ..model.simulator import SimResult, simulate
 from .segments import splice
 from .strategy import Solution, certify, solve
+
+log = logging.getLogger(__name__)
 
 MIB = 2**20
 WINDOW = 8  # backward steps on each side of a group's members the segment model may reorder
@@ -135,7 +138,8 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
                 continue
             try:
                 csim = simulate(problem, cand)
-            except ScheduleError:
+            except ScheduleError as e:  # this placement of the members does not run in this plan
+                reject(log, "candidate(s) rejected forming fusion options (members placed together)", e)
                 continue
             tried.append(csim)
             if accepts(csim, out.sim, budget) and (best is None or accepts(csim, best[1], budget)):
@@ -184,7 +188,8 @@ def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | No
         cand = splice(problem, sim, a, b, res.steps, fusion=res.fusion)
         try:
             csim = simulate(problem, cand)
-        except ScheduleError:
+        except ScheduleError as e:  # the segment model's order does not replay: not kept
+            reject(log, "candidate(s) rejected forming fusion options (by the segment model)", e)
             continue
         if i in cand.formed and accepts(csim, sim, budget):
             return cand, csim
@@ -231,8 +236,9 @@ def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Soluti
     a problem without options. `deterministic`: as `solve`'s (the segment model's answers repeat)."""
     if not problem.fusion_options:
         return sol
-    with clock.deterministic(deterministic):
+    with clock.deterministic(deterministic), collecting_rejections() as rejected:
         decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
+        decision.notes += rejected.notes()
         stats = decided_stats(problem, budget_bytes, sol.stats, decision)
     return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim, stats=stats,
                                lower_bound_bytes=min(sol.lower_bound_bytes, decision.sim.peak_bytes))

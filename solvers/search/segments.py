@@ -15,14 +15,17 @@ blocks by their steps); formed groups elsewhere are carried while their members 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from ..model import clock
 from ..cpsat.segment import OffloadWindow, free_ops, replan_segment
-from ..model.problem import Problem, Schedule
+from ..model.problem import Problem, Schedule, reject
 from ..model.simulator import ScheduleError, SimResult, simulate
 from .blocks import Groups, find_groups, op_signature, segments
 from .offload import step_with_compute_before
+
+log = logging.getLogger(__name__)
 
 SEGMENT_S = 2.0  # the most one segment model may take
 PREFETCH_LEAD = 1.0  # a segment's offloads come back this many copy times of compute before it
@@ -148,7 +151,8 @@ def improve_by_segments(
             cand = splice(problem, bsim, a, b, res.steps, outs if window else set(), back, fusion=res.fusion)
             try:
                 csim = simulate(problem, cand)
-            except ScheduleError:  # an offload the replay refuses (host budget): not kept
+            except ScheduleError as e:  # an offload the replay refuses (host budget): not kept
+                reject(log, "candidate(s) rejected in the segment search (a replanned segment)", e)
                 continue
             if not better(csim, bsim, budget):
                 continue
@@ -214,7 +218,8 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             continue
         try:
             tsim = simulate(problem, trial)
-        except ScheduleError:
+        except ScheduleError as e:  # the copy does not run in that block's plan: it keeps its own
+            reject(log, "candidate(s) rejected in the segment search (a copy to a repeated block)", e)
             continue
         if better(tsim, sim, budget):
             sched, sim = trial, tsim

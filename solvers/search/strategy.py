@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from .heuristics import (
     prune_recomputes,
     recompute_candidates,
 )
-from ..model.problem import Problem, Schedule, SolveStats, default_schedule
+from ..model.problem import Problem, Schedule, SolveStats, collecting_rejections, default_schedule, reject
 from ..cpsat.bound import solve_bound_and_repair
 from .offload import mix_offload_and_recompute
 from ..model import clock
@@ -36,6 +37,8 @@ from .segments import improve_by_segments
 from .chain import MIN_BLOCKS, improve_by_chain
 from .reorder import base_orders, refine_order
 from ..model.simulator import ScheduleError, SimResult, simulate
+
+log = logging.getLogger(__name__)
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
@@ -148,8 +151,10 @@ def solve(
     save/recompute(/offload) plan in that order, and "OPTIMAL" only when the plan meets it.
     `deterministic`: the same plan on every run (solvers/model/clock.py); the time limit counts work.
     """
-    with clock.deterministic(deterministic), _caller_heap_frozen():
-        return _solve(problem, budget_bytes, time_limit_s, workers, progress)
+    with clock.deterministic(deterministic), _caller_heap_frozen(), collecting_rejections() as rejected:
+        sol = _solve(problem, budget_bytes, time_limit_s, workers, progress)
+    sol.stats.notes += rejected.notes()  # the candidates the search dropped on an error, counted per kind
+    return sol
 
 
 @contextmanager
@@ -315,7 +320,8 @@ def _reported_lowest(problem: Problem, budget: int, best, stats, lowest: Schedul
         return best, stats, lowest
     try:
         return _merge(problem, budget, best, stats, lowest, known, "the lowest-peak plan an earlier error reported")
-    except ScheduleError:  # not a plan of this problem after all
+    except ScheduleError as e:  # not a plan of this problem after all
+        reject(log, "candidate(s) rejected: the lowest-peak plan an earlier error reported for this structure", e)
         return best, stats, lowest
 
 

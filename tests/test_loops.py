@@ -1,0 +1,88 @@
+"""Training loops (issue 24, benchmarks/loops.py): optsched's contracts held over whole loops, not one step.
+
+Each loop (gradient accumulation with AdamW and clipping; sequence lengths ascending and descending;
+transformers.Trainer; PEFT LoRA; ALBERT; BART with labels; a diffusers UNet with the loss outside) runs once at
+the test size, at "60%", beside the same loop run eagerly, and five contracts are checked on that run
+(`benchmarks.report.loop_contract_failures`, which also writes the README's list):
+
+* steps: every step ran (a `BudgetInfeasibleError` passes only when its proven bound is above the budget);
+* gradients: equal to eager's after every step, bitwise, as in the zoo; only where torch.compile's own capture
+  (`backend="aot_eager"`, nothing planned) is not bitwise eager's is the zoo's tolerance of 1e-6 used;
+* budget: every forward+backward call measured within the bytes its plan was given (gradients already
+  accumulated counted; calls measured after the loop on the plans the loop made);
+* prediction: the predicted peak within 1% (the zoo's tolerance) of the measured one, call by call;
+* replans: a program is planned once where the model computes its loss (the caller computing it from an
+  output may see one more plan, after the first backward shows what it does).
+
+A contract a loop breaks today because of a known open problem is marked `xfail` naming it (strict unless
+whether it breaks depends on the op times measured in the run); the rest must hold. `make test` runs the
+default subset (accumulation, Trainer); every loop runs with `pytest tests/test_loops.py -m 'zoo or not zoo'`
+(or `make test-all`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import loops
+from benchmarks.report import LOOP_CONTRACTS, loop_contract_failures
+
+DEFAULT_SUBSET = ("accumulation", "hf-trainer")
+_UNET_SHORT = ("diffusers UNet2DModel: the planned peak is short of the measured one by about the model output's "
+               "size (12 KiB at the test size: 12,284 B with the MSE inside the optimized function, 20,996 B with it "
+               "outside after the output-usage re-plan to 'g-'; 0.3-0.5%, inside the 1% prediction tolerance), so a plan "
+               "that sits at its budget measures over it (2,868 B over at 60%)")
+# (loop, contract) -> (the open problem that breaks it today, strict). Strict unless the outcome depends on
+# measured op times: the UNet at 60% is at the edge of what the planner reaches, so a run either plans within the
+# budget (and measures over it, by the bytes above) or finds no plan (not proven infeasible)
+KNOWN: dict[tuple[str, str], tuple[str, bool]] = {
+    ("unet", "budget"): (_UNET_SHORT, False),
+    ("unet", "steps"): ("diffusers UNet2DModel at 60%: some runs find no plan (lowest found 2.59 MiB for a budget of "
+                        "2.55 MiB, proven bound 1.49 MiB), others plan within it: it depends on the op times measured", False),
+}
+_results: dict[str, dict] = {}
+
+
+def _run(name: str) -> dict:
+    """The loop and its eager twin, once per session; no timing."""
+    if name not in _results:
+        _results[name] = loops.run_case(name, "test", repeat=0)
+    return _results[name]
+
+
+def _params():
+    out = []
+    for name in loops.CASES:
+        for contract in LOOP_CONTRACTS:
+            marks = [] if name in DEFAULT_SUBSET else [pytest.mark.zoo]
+            if (name, contract) in KNOWN:
+                reason, strict = KNOWN[(name, contract)]
+                marks.append(pytest.mark.xfail(strict=strict, reason=reason))
+            out.append(pytest.param(name, contract, id=f"{name}-{contract}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize(("name", "contract"), _params())
+def test_loop_contract(name, contract):
+    res = _run(name)
+    failures = loop_contract_failures(res)[contract]
+    assert not failures, f"{name}: {contract}:\n" + "\n".join(failures) + (
+        f"\n{res.get('traceback', '')}" if "error" in res else "")
+
+
+def test_accumulation_plans_the_second_micro_batch_apart():
+    res = _run("accumulation")
+    fitted = [s for s in res["steps"] if s.get("outcome") == "fitted"]
+    assert fitted, [s.get("error") for s in res["steps"]]
+    for s in fitted:
+        assert [c["grads_at_start"] for c in s["calls"]] == [False, True]
+    assert len({c["plan_index"] for s in fitted for c in s["calls"]}) == 2  # two plans, each reused by later steps
+
+
+def test_trainer_runs_the_optimized_model():
+    """Trainer(model=optsched.optimize(model, ...)) is how it is used: the module optimize returns is a module of
+    the same class, and Trainer trains it (its plans are what ran)."""
+    res = _run("hf-trainer")
+    assert res.get("trainer_model_is_optimized") is True, res.get("error")
+    assert res["summary"]["n_plans"] >= 1
+    assert all(c.get("plan_index") is not None for s in res["steps"] for c in s["calls"])

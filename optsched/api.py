@@ -384,7 +384,7 @@ def optimize(
     plan: str | os.PathLike | None = None,
     on_mismatch: str = "error",
     deterministic: bool | None = None,
-    chunking: bool | int | None = None,
+    chunking: bool | int | str | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 

@@ -349,8 +349,9 @@ class Planner:
             counts = self.settings.chunk_counts
             budget_bytes = None
         baseline = simulate(built.problem, default_schedule(built.problem))
+        reference = reference_peak(built.problem, list(built.nodes), baseline)  # the user's checkpointing, if any
         if budget_bytes is None:
-            budget_bytes = self.resolution.bytes_for(baseline.peak_bytes)
+            budget_bytes = self.resolution.bytes_for(reference)
         tried: list[tuple[int, Plan | None, list, fx.GraphModule | None, JointGraph | None]] = []
         failures: list[tuple[int, BudgetInfeasibleError]] = []
         if captured is not None:
@@ -381,7 +382,7 @@ class Planner:
         names = [c.name for c in chains]
         if best is None:
             e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking)
-            how = self.resolution.explain(baseline.peak_bytes)  # a training program's
+            how = self.resolution.explain(reference)  # a training program's
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
             raise e

@@ -314,7 +314,7 @@ class Planner:
             plan.stats.notes.append("chunking: left alone: " + "; ".join(skipped))
         if costs is not None and not costs.scratch_measured:
             note = ("planned while another profiler was running: kernel scratch space was not measured "
-                    "(counted as 0) and no op writes into a dying input")
+                    "(counted as 0) and no op but a gradient sum writes into a dying input")
             plan.stats.notes.append(note)
             warnings.warn(f"optsched: {note}, so a step can peak above its prediction by its kernels' scratch space; "
                           "plan outside the profiling session (one step before it) for measured scratch",

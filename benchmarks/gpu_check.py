@@ -865,6 +865,12 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _not_run(label: str, section: dict) -> str:
+    """The table line of a section that was skipped or failed: its status and why."""
+    why = section.get("reason") or (section.get("error") or {}).get("message")
+    return f"{label}: {section.get('status')} ({why})"
+
+
 def _row_line(r: dict) -> str:
     if r.get("status") == "skipped":
         return f"skipped: {r.get('reason')}"
@@ -920,7 +926,7 @@ def render_table(result: dict) -> str:
     n = secs.get("does_not_fit", {})
     lines.append("")
     if n.get("status") != "ok":
-        lines.append(f"does not fit: {n.get('status')} ({n.get('reason') or (n.get('error') or {}).get('message')})")
+        lines.append(_not_run("does not fit", n))
     else:
         e = n.get("eager") or {}
         lines.append(f"does not fit: cap {_mib(n.get('limit_bytes'))} MiB = {n.get('fraction', 0):.1%} of the device, eager "
@@ -938,7 +944,7 @@ def render_table(result: dict) -> str:
     o = secs.get("offload", {})
     lines.append("")
     if o.get("status") != "ok":
-        lines.append(f"offload: {o.get('status')} ({o.get('reason') or (o.get('error') or {}).get('message')})")
+        lines.append(_not_run("offload", o))
     else:
         ms, ps = o["measured_step_s"], o["predicted_step_s"]
         lines.append(f"offload at {o.get('share_of_eager', 0):.0%}: offload {ms['offload'] * 1e3:.1f} ms vs recompute-only "

@@ -32,15 +32,31 @@ test-all: setup
 test-zoo: setup
 	$(BIN)/python -m pytest -q tests/test_zoo.py -m 'zoo or not zoo'
 
+# Every benchmark whose JSON (benchmarks/results/) feeds a table in README.md, docs/benchmarks.md or
+# docs/distributed.md, or a notebook; then the tables, the notebooks, and the check that all of them are
+# current, each with the commit it was measured at. About 1 h 40 min on 2 CPU cores (zoo 26 min, loops 10,
+# tight_budgets 8, chunking 8, adam_step 6, scaling_llama 5, the four gpt_budget runs 11, the rest 1-3
+# each, notebooks 12): docs/benchmarks.md, "Durations", lists what each JSON recorded. Commit first: each
+# JSON records whether the tree was clean.
 bench: setup
-	$(BIN)/python -m benchmarks.seed_order
-	$(BIN)/python -m benchmarks.offload
-	$(BIN)/python -m benchmarks.plan_offline
-	$(BIN)/python -m benchmarks.adam_step
 	$(BIN)/python -m benchmarks.gpt_budget
 	$(BIN)/python -m benchmarks.gpt_budget --executor inductor --budgets 0.55 --mincut-backend inductor --json benchmarks/results/gpt_inductor.json
+	$(BIN)/python -m benchmarks.gpt_budget --layers 12 --width 128 --batch 8 --budgets 0.5 --no-mincut --json benchmarks/results/gpt12_budget.json
+	$(BIN)/python -m benchmarks.gpt_budget --model hf-gpt2 --layers 6 --batch 8 --budgets 0.5 --json benchmarks/results/hf_gpt2_budget.json
+	$(BIN)/python -m benchmarks.scaling
+	$(BIN)/python -m benchmarks.offload
+	$(BIN)/python -m benchmarks.adam_step
+	$(BIN)/python -m benchmarks.plan_offline
+	$(BIN)/python -m benchmarks.seed_order
 	$(BIN)/python -m benchmarks.zoo
 	$(BIN)/python -m benchmarks.loops
+	$(BIN)/python -m benchmarks.tight_budgets --label after
+	$(BIN)/python -m benchmarks.scaling_llama --label after --depths 8,16,32,80
+	$(BIN)/python -m benchmarks.chunking
+	$(BIN)/python -m benchmarks.fsdp_offline
+	$(BIN)/python -m benchmarks.report
+	$(BIN)/python notebooks/execute.py
+	$(BIN)/python -m benchmarks.report --check
 
 # on a CUDA machine, with its own python and torch (no venv is made): pytest -m gpu, the Llama headline, a step
 # that does not fit, offload vs recompute; writes benchmarks/results/gpu_check.json. E.g.
@@ -48,7 +64,8 @@ bench: setup
 gpu-check:
 	$(PY) -m benchmarks.gpu_check
 
-# notebooks/: every notebook at full size, outputs and plots written into the files (about 12 minutes)
+# notebooks/: every notebook at full size, outputs and plots written into the files (about 12 minutes); they
+# read benchmarks/results/*.json, so run them after the benchmarks (`make bench` does)
 notebooks: setup
 	$(BIN)/python notebooks/execute.py
 

@@ -3,11 +3,14 @@
 import json
 from pathlib import Path
 
+from benchmarks import meta as _meta  # noqa: F401 - imported first: its clock is the run's wall_s
+
 
 def write_result(path: Path, data) -> None:
-    """Write a benchmark's JSON (the source of the README's tables) and say where."""
+    """Write a benchmark's JSON (the source of the tables in README.md and docs/benchmarks.md) and say where,
+    with this run's ``meta`` (commit, clean tree, date, torch, command, wall seconds: benchmarks/meta.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
+    path.write_text(json.dumps(_meta.with_meta(data), indent=2))
     print(f"wrote {path}")
 
 

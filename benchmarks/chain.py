@@ -3,7 +3,7 @@
 Llama-style models (benchmarks/models/llama.py, the llama-7b shapes of scaling_llama.py, batch 4 x 4096,
 h100 profile, captured under fake tensors with offloading allowed) and GPT (4 layers, width 256, batch 8,
 cpu profile, recomputation only), each solved at fractions of its unplanned peak with
-`solvers.search.strategy.CHAIN` False then True, deterministic (as `optimize` plans), at the planner's
+`solvers.search.moves.CHAIN` False then True, deterministic (as `optimize` plans), at the planner's
 default time limit for the problem's size. Estimated step time against the unplanned step, peak, and the
 seconds each plan took. Writes benchmarks/results/chain.json.
 
@@ -54,10 +54,10 @@ def capture(case: str, cache: Path | None):
 
 def solve_row(problem, budget: int, chain: bool, time_limit_s: float) -> dict:
     from optsched.solvers import BudgetInfeasibleError, default_schedule, simulate
-    from optsched.solvers.search import strategy
+    from optsched.solvers.search import moves, strategy
 
     base = simulate(problem, default_schedule(problem))
-    strategy.CHAIN = chain
+    moves.CHAIN = chain
     t0 = time.perf_counter()
     try:
         sol = strategy.solve(problem, budget, time_limit_s=time_limit_s, deterministic=True)
@@ -65,7 +65,7 @@ def solve_row(problem, budget: int, chain: bool, time_limit_s: float) -> dict:
         return {"chain": chain, "infeasible": True, "lowest_peak_bytes": e.lowest_peak_bytes,
                 "plan_s": time.perf_counter() - t0}
     finally:
-        strategy.CHAIN = True
+        moves.CHAIN = True
     return {"chain": chain, "time_ratio": sol.sim.time_s / base.time_s, "peak_bytes": sol.sim.peak_bytes,
             "offloaded_bytes": sol.sim.offloaded_bytes, "recompute_s": sol.sim.recompute_s,
             "method": sol.stats.method, "plan_s": time.perf_counter() - t0}

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.meta import with_meta
+
 MIB, GIB = 2**20, 2**30
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_JSON = Path(__file__).parent / "results" / "fsdp_offline.json"
@@ -263,7 +265,7 @@ def main() -> None:
         return
     result = run(args)
     print(table(result))
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.json).write_text(json.dumps(with_meta(result), indent=1) + "\n")
     print(f"wrote {args.json}")
 
 

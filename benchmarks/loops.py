@@ -44,7 +44,7 @@ the parameters' largest difference from eager's after the loop.
     python -m benchmarks.loops --cases accumulation,unet --size test
     python -m benchmarks.loops --list
 
-Writes benchmarks/results/loops.json (the README's "Training loops" table, through benchmarks.report).
+Writes benchmarks/results/loops.json (docs/benchmarks.md's "Training loops" table, through benchmarks.report).
 """
 
 from __future__ import annotations

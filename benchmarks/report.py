@@ -1,7 +1,13 @@
-"""Render benchmarks/results/*.json as markdown tables into README.md (between marker comments).
+"""Render benchmarks/results/*.json as markdown tables into README.md, docs/benchmarks.md and docs/distributed.md,
+between marker comments (`<!-- bench:KEY -->` ... `<!-- /bench:KEY -->`, KEY one of TABLES).
 
-    python -m benchmarks.report          # rewrite README.md's tables from the JSON
-    python -m benchmarks.report --check  # fail if README.md is out of date
+    python -m benchmarks.report          # rewrite every table from the JSON
+    python -m benchmarks.report --check  # exit 1, naming the table, when a file's table differs from its JSON,
+                                         # a JSON lacks its commit, or a notebook was not run on its JSON
+
+Every table opens with the commit it was measured at, from its JSON's `meta` (benchmarks/meta.py, written by
+every benchmark). `make bench` runs every benchmark that feeds a table or notebook, then this, then the
+notebooks; `--check` is in the test suite (tests/test_report.py).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from benchmarks.meta import commit_line, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -52,6 +60,11 @@ def gpt_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _rows_by_name(d: dict) -> list[tuple[str, dict]]:
+    """The rows of a JSON keyed by name (seed_order.json, adam_step.json), its ``meta`` left out."""
+    return [(k, v) for k, v in d.items() if k != "meta"]
+
+
 def seed_table(d: dict) -> str:
     lines = [
         "| function | eager | torch.compile (Inductor, CPU) | Thunder (reported) | optsched measured | optsched predicted "
@@ -59,7 +72,7 @@ def seed_table(d: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     notes = []
-    for name, r in d.items():
+    for name, r in _rows_by_name(d):
         ind = f"{r['inductor_bytes'] / MIB:.2f}" if "inductor_bytes" in r else "not run"
         fused = f"{r['optsched_inductor_bytes'] / MIB:.2f}" if "optsched_inductor_bytes" in r else "not run"
         lines.append(f"| {name} | {r['eager_bytes'] / MIB:.2f} | {ind} | {r['thunder_reported_bytes'] / MIB:.2f} | "
@@ -77,7 +90,7 @@ def scaling_table(d: dict) -> str:
     c = d["config"]
     lines = [
         f"Width {c['width']}, batch {c['batch']}, sequence {c['seq']}, budget {c['fraction']:.0%} of the unplanned peak, "
-        f"{c['profile']} profile (roofline times), planned on 2 CPU cores.",
+        f"{c['profile']} profile (roofline times), planned on this CPU.",
         "",
         "| layers | graph nodes | ops | plan s | s / layer | status | gap | unplanned peak | predicted peak | est. time vs unplanned |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -137,7 +150,7 @@ def adam_table(d: dict) -> str:
         "| state vs traced program / eager | fused kernels | copy-backs folded |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in d.items():
+    for name, r in _rows_by_name(d):
         lines.append(f"| {name} | {r['param_tensors']} | eager `opt.step()` | - | 1.00x | {r['eager_peak_bytes'] / 1024:.0f} KiB "
                      "| - | - | - |")
         for key, label in ADAM_VARIANTS.items():
@@ -239,14 +252,15 @@ def zoo_table(d: dict) -> str:
     rule = "|---|---|---|"
     for b in budgets:
         label = "no budget" if b is None else f"{b:.0%}"
-        head += f" {label}: measured | predicted | time vs eager | plan s |"
+        head += f" {label}: measured | predicted | time vs eager | first call s (solver s) |"
         rule += "---|---|---|---|"
     lines = [
         f"{len(d['cases'])} cases: {c['layers']} layers, width {c['width']}, vocabulary {c['vocab']}, batch {c['batch']}, "
         f"sequence {c['seq']} (ViT: 16 images of 32x32), random weights; torch {c['torch']}, transformers "
         f"{c['transformers']}, {c['threads']} CPU threads. Peaks in MiB at the allocator; budgets are fractions of "
-        f"eager's measured peak, in bytes; plan s = solver time (both plans' when the second step planned again for what "
-        f"the caller does with the outputs). The whole zoo took "
+        f"eager's measured peak, in bytes; first call s = wall seconds of the first call, which captures, times the ops, "
+        f"plans and runs the step (`first_call_s` in the JSON); solver s = the solver's share (`plan_s`: both plans' when "
+        f"the second step planned again for what the caller does with the outputs). The whole zoo took "
         f"{c['total_s'] / 60:.0f} min.",
         "",
         head,
@@ -262,13 +276,14 @@ def zoo_table(d: dict) -> str:
             if "error" in r:
                 row += f" fails: {r['error']['type']} | | | |"
             elif r.get("infeasible"):
+                gave_up = f"{r['first_call_s']:.1f} (no plan)" if "first_call_s" in r else ""
                 row += (f" infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f}, bound {r['lower_bound_bytes'] / MIB:.2f}) "
-                        f"| | | |")
+                        f"| | | {gave_up} |")
             else:
                 over = " (over)" if not r["within_budget"] else ""
                 t = f"{r['time_ratio']:.2f}x" if "time_ratio" in r else ""
                 row += (f" {r['measured_peak_bytes'] / MIB:.2f}{over} | {r['predicted_peak_bytes'] / MIB:.2f} | {t} | "
-                        f"{r['first_call_s']:.1f} |")
+                        f"{r['first_call_s']:.1f} ({r['plan_s']:.1f}) |")
         lines.append(row)
     failures = [(case, f) for case in d["cases"] for f in zoo_contract_failures(case)]
     if failures:
@@ -591,9 +606,9 @@ def tight_tables(d: dict) -> str:
     def commit(k: str) -> str:
         run = runs[k]
         by_part = {part: run[part]["git"] for part in ("gpt", "zoo") if run.get(part, {}).get("git")}
-        if len({_git_text(g) for g in by_part.values()}) > 1:  # the parts ran on different commits
+        if len({g.get("commit") for g in by_part.values()}) > 1:  # the parts ran on different commits
             return ", ".join(f"{part} on {_git_text(g)}" for part, g in by_part.items())
-        return _git_text(next(iter(by_part.values()), run.get("git", {})))
+        return _git_text(run.get("meta") or next(iter(by_part.values()), run.get("git", {})))
 
     commits = "; ".join(f"{k}: {commit(k)}, {runs[k].get('date', '')[:10]}" for k in labels)
     parts = [f"Runs: {commits}.", tight_gpt_table(runs, labels), tight_zoo_table(runs, labels), _notes(runs, labels)]
@@ -601,6 +616,10 @@ def tight_tables(d: dict) -> str:
 
 
 def _git_text(git: dict) -> str:
+    """A run's commit: from its ``meta`` (benchmarks/meta.py: clean or dirty tree), or, for runs written before it,
+    the git state they recorded (the commit and whether optsched/ and solvers/ differed from it)."""
+    if "clean" in git:
+        return f"{git.get('short') or str(git.get('commit'))[:7]} ({'clean' if git['clean'] else 'dirty'})"
     return git.get("short", "?") + (" + uncommitted core changes" if git.get("core_changes_uncommitted") else "")
 
 
@@ -617,7 +636,11 @@ def scaling_llama_table(d: dict) -> str:
         run = runs[k]
         c = run["config"]
         row_commits = sorted({_git_text(r["git"]) for r in run["rows"] if r.get("git")})
-        commit = ", ".join(row_commits) if row_commits else _git_text(run.get("git", {}))
+        meta = run.get("meta")
+        if meta and all(r.get("git", {}).get("commit") in (None, meta.get("commit")) for r in run["rows"]):
+            commit = _git_text(meta)
+        else:
+            commit = ", ".join(row_commits) if row_commits else _git_text(run.get("git", {}))
         lines = [f"{k} ({commit}, {run.get('date', '')[:10]}): {c['describe']}; each plan "
                  f"in its own process, wall-clock limit {c['timeout_s']:.0f} s.", "",
                  "| layers | budget | ops | plan s | s / layer | capture s | status | gap | predicted / unplanned "
@@ -698,7 +721,84 @@ def chunking_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def headline_table(d: dict) -> str:
+    """README.md's one table, from gpt_budget.json: optsched against eager and PyTorch's min-cut partitioner."""
+    c, e = d["config"], d["eager"]
+    lines = [
+        f"The bundled GPT ({c['layers']} layers, width {c['width']}, batch {c['batch']} x {c['seq']} tokens), one training "
+        f"step on this CPU ({c['threads']} threads, torch {c['torch']}); eager's peak {e['measured_peak_bytes'] / MIB:.2f} MiB.",
+        "",
+        "| budget | optsched: predicted peak | measured peak | step time vs eager | gradients vs eager | status, gap "
+        "| PyTorch min-cut within the budget: peak, time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in d["optsched"]:
+        budget = f"{r['fraction']:.0%} ({r['budget_bytes'] / MIB:.2f} MiB)"
+        if "infeasible" in r:
+            ours = f"infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB) | | | | "
+        else:
+            diff = "equal" if r["max_grad_diff"] == 0 else f"{r['max_grad_diff']:.1e}"
+            ours = (f"{r['predicted_peak_bytes'] / MIB:.2f} MiB | {r['measured_peak_bytes'] / MIB:.2f} MiB"
+                    f"{'' if r['within_budget'] else ' (OVER)'} | {r['time_ratio']:.2f}x | {diff} | "
+                    f"{r['solver_status']}, {r['gap']:.1%}")
+        mc = r.get("mincut")
+        theirs = (f"{mc['measured_peak_bytes'] / MIB:.2f} MiB, {mc['time_ratio']:.2f}x (knob {mc['activation_memory_budget']:.1f})"
+                  if mc else ("no setting fits" if d.get("mincut") else "not run"))
+        lines.append(f"| {budget} | {ours} | {theirs} |")
+    return "\n".join(lines)
+
+
+def fsdp_table(d: dict) -> str:
+    """benchmarks/fsdp_offline.py: per-rank budgets of a Llama-3-8B-shaped model under FSDP2 over 8 H100s, planned offline."""
+    gib = 2**30
+    f, ac = d["fastest"], d["full_activation_checkpointing"]
+    lines = [
+        f"{d['model']}; per-rank batch {d['per_rank_batch'][0]} x {d['per_rank_batch'][1]} tokens, "
+        f"{d['device_profile']} profile; step time is compute only (communication overlapped, not counted).",
+        "",
+        "| per-rank budget | predicted per rank | step (ms) | vs fastest | block plan | plan file loads on every rank |",
+        "|---|---|---|---|---|---|",
+        f"| none (fastest) | {f['predicted_peak_bytes'] / gib:.2f} GiB | {f['step_time_s'] * 1e3:.1f} | 1.000 | solver, no budget | |",
+    ]
+    for r in d["rows"]:
+        if r.get("infeasible"):
+            lines.append(f"| {r['budget_bytes'] / gib:.2f} GiB | infeasible | | | | |")
+            continue
+        how = "solver" if r["block_plan"] == "solve" else f"recompute ladder ({r['block_plan']})"
+        what = f"{r['n_recomputed']} recomputed" + (f" + {r['n_offloaded']} offloaded" if r["n_offloaded"] else "")
+        loads = {True: "yes", False: "NO"}.get(r.get("loadable_by_every_rank"), "")
+        lines.append(f"| {r['budget_bytes'] / gib:.2f} GiB ({r['activation_share']:.0%}) | {r['predicted_peak_bytes'] / gib:.2f} GiB | "
+                     f"{r['step_time_s'] * 1e3:.1f} | {r['time_ratio_vs_fastest']:.3f} | {how}, {what} | {loads} |")
+    lines.append(f"| (full activation checkpointing) | {ac['predicted_peak_bytes'] / gib:.2f} GiB | {ac['step_time_s'] * 1e3:.1f} | "
+                 f"{ac['step_time_s'] / f['step_time_s']:.3f} | every block recomputed whole | |")
+    lines += ["", "Budgets: the fixed per-rank terms plus the share in brackets of what the fastest plan's activations add to them."]
+    return "\n".join(lines)
+
+
+def durations_table(results: Path = RESULTS) -> str:
+    """What each JSON says about the run that wrote it: `make bench`'s parts and how long each took."""
+    lines = ["| JSON | written by | commit | wall time |", "|---|---|---|---|"]
+    total, unknown = 0.0, []
+    for name in sorted({fname for fname, _fn in TABLES.values() if fname}):
+        path = results / name
+        meta = (json.loads(path.read_text()).get("meta") or {}) if path.exists() else {}
+        wall = meta.get("wall_s")
+        if wall is None:
+            unknown.append(name)
+        else:
+            total += wall
+        command = f"`{meta['command']}`" if meta.get("command") else "not recorded"
+        lines.append(f"| {name} | {command} | {commit_line(meta).removeprefix('measured at ')} | "
+                     f"{'not recorded' if wall is None else f'{wall / 60:.1f} min'} |")
+    lines += ["", f"Recorded wall time of the benchmarks: {total / 60:.0f} min"
+              + (f" ({len(unknown)} JSONs without a recorded time)" if unknown else "") + ", the notebooks not included."]
+    return "\n".join(lines)
+
+
+# key: (JSON in benchmarks/results/, renderer). A file holds `<!-- bench:KEY -->`...`<!-- /bench:KEY -->` for each
+# table it shows; `durations` reads every JSON.
 TABLES = {
+    "headline": ("gpt_budget.json", headline_table),
     "gpt": ("gpt_budget.json", gpt_table),
     "hf": ("hf_gpt2_budget.json", gpt_table),
     "gpt12": ("gpt12_budget.json", gpt_table),
@@ -713,33 +813,130 @@ TABLES = {
     "tight": ("tight_budgets.json", tight_tables),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
     "chunking": ("chunking.json", chunking_table),
+    "fsdp": ("fsdp_offline.json", fsdp_table),
+    "durations": (None, durations_table),
 }
+# the files the tables are rendered into
+TARGETS = ("README.md", "docs/benchmarks.md", "docs/distributed.md")
+# notebooks/ and the JSON each reads: its first cell prints `benchmarks.meta.describe(json)`, so an executed
+# notebook says which run of its JSON it read; --check fails when that is not the JSON's current run
+NOTEBOOK_JSONS = {
+    "1_seed_functions.ipynb": ("seed_order.json",),
+    "2_gpt.ipynb": ("gpt_budget.json",),
+    "4_scaling.ipynb": ("scaling.json", "scaling_llama.json"),
+}
+MARKER = re.compile(r"(<!-- bench:([a-z0-9_]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
 
-def render(readme: str) -> str:
-    for key, (fname, fn) in TABLES.items():
-        path = RESULTS / fname
+def section(key: str, results: Path = RESULTS) -> str:
+    """The text between KEY's markers: the commit line from its JSON's ``meta``, then the table."""
+    fname, fn = TABLES[key]
+    if fname is None:
+        return fn(results)
+    d = json.loads((results / fname).read_text())
+    line = commit_line(d.get("meta"))
+    return f"*{line[0].upper() + line[1:]} (`benchmarks/results/{fname}`).*\n\n{fn(d)}"
+
+
+def render(text: str, results: Path = RESULTS) -> str:
+    """``text`` with every table between its markers rendered again (a table whose JSON is absent is left as it is)."""
+    def sub(m: re.Match) -> str:
+        key = m.group(2)
+        if key not in TABLES or (TABLES[key][0] and not (results / TABLES[key][0]).exists()):
+            return m.group(0)
+        return m.group(1) + section(key, results) + "\n" + m.group(4)
+
+    return MARKER.sub(sub, text)
+
+
+def _missing_commits(d: dict) -> list[str]:
+    """What in a results JSON lacks its commit: the JSON's ``meta``, or a run (tight_budgets, scaling_llama) shown."""
+    out = []
+    if not (d.get("meta") or {}).get("commit"):
+        out.append("no meta.commit (written before benchmarks/meta.py: run its benchmark again)")
+    elif (d.get("meta") or {}).get("clean") is None:
+        out.append("meta.clean not recorded")
+    for label, run in (d.get("runs") or {}).items():
+        if not (run.get("meta") or run.get("git") or {}).get("commit"):
+            out.append(f"run {label!r} has no commit")
+    return out
+
+
+def check(root: Path = ROOT, results: Path | None = None) -> list[str]:
+    """Every reason `--check` fails, each naming its file and table; empty when every table is current."""
+    results = results or root / "benchmarks" / "results"
+    problems = []
+    checked: dict[str, list[str]] = {}
+    for target in TARGETS:
+        path = root / target
         if not path.exists():
+            problems.append(f"{target}: missing")
             continue
-        table = fn(json.loads(path.read_text()))
-        pattern = re.compile(rf"(<!-- bench:{key} -->\n).*?(<!-- /bench:{key} -->)", re.S)
-        readme = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), readme)
-    return readme
+        text = path.read_text()
+        for m in MARKER.finditer(text):
+            key = m.group(2)
+            where = f"{target}, table {key!r}"
+            if key not in TABLES:
+                problems.append(f"{where}: unknown table (known: {', '.join(TABLES)})")
+                continue
+            fname = TABLES[key][0]
+            if fname is not None:
+                if not (results / fname).exists():
+                    problems.append(f"{where}: benchmarks/results/{fname} does not exist")
+                    continue
+                if fname not in checked:
+                    checked[fname] = _missing_commits(json.loads((results / fname).read_text()))
+                problems += [f"{where}: benchmarks/results/{fname}: {p}" for p in checked[fname]]
+            if m.group(3) != section(key, results) + "\n":
+                problems.append(f"{where}: differs from benchmarks/results/{fname or '*.json'} "
+                                "(run `python -m benchmarks.report`)")
+    problems += check_notebooks(root, results)
+    return problems
+
+
+def check_notebooks(root: Path = ROOT, results: Path | None = None) -> list[str]:
+    """A notebook whose outputs do not name the current run of each JSON it reads (see NOTEBOOK_JSONS)."""
+    results = results or root / "benchmarks" / "results"
+    problems = []
+    for name, fnames in NOTEBOOK_JSONS.items():
+        path = root / "notebooks" / name
+        if not path.exists():
+            problems.append(f"notebooks/{name}: missing")
+            continue
+        cells = json.loads(path.read_text()).get("cells", [])
+        printed = "".join("".join(o.get("text", "")) for c in cells if c.get("cell_type") == "code" for o in c.get("outputs", []))
+        for fname in fnames:
+            if not (results / fname).exists():
+                problems.append(f"notebooks/{name}: benchmarks/results/{fname} does not exist")
+            elif describe(results / fname) not in printed:
+                problems.append(f"notebooks/{name}: its outputs are not from the current {fname} "
+                                f"(expected the line {describe(results / fname)!r}; run `make notebooks`)")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 naming every stale or uncommitted table")
+    ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)  # a copy of the repository (the tests)
     args = ap.parse_args(argv)
-    path = ROOT / "README.md"
-    old = path.read_text()
-    new = render(old)
+    results = args.root / "benchmarks" / "results"
     if args.check:
-        if new != old:
-            print("README.md tables differ from benchmarks/results/*.json: run python -m benchmarks.report")
+        problems = check(args.root, results)
+        for p in problems:
+            print(p)
+        if problems:
+            print(f"{len(problems)} problem(s): `make bench` regenerates every JSON, table and notebook")
             return 1
+        print(f"every table in {', '.join(TARGETS)} and every notebook is current, with its commit")
         return 0
-    path.write_text(new)
+    for target in TARGETS:
+        path = args.root / target
+        if path.exists():
+            old = path.read_text()
+            new = render(old, results)
+            if new != old:
+                path.write_text(new)
+                print(f"wrote {target}")
     return 0
 
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.meta import run_meta
+
 MIB, GIB = 2**20, 2**30
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_JSON = Path(__file__).parent / "results" / "scaling_llama.json"
@@ -183,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(row_text(r), flush=True)
     data = json.loads(args.json.read_text()) if args.json.exists() else {}
     run = data.setdefault("runs", {}).setdefault(label, {})
+    meta = run_meta()
+    if (run.get("meta") or run.get("git") or {}).get("commit") != meta["commit"]:
+        run.pop("notes", None)  # written by hand for the run at another commit
     merged = {(r["layers"], r["fraction"]): r for r in run.get("rows", [])}
     merged.update({(r["layers"], r["fraction"]): r for r in rows})
     run.update({"label": label, "git": git, "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -190,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "time_limit_s": args.time_limit, "timeout_s": args.timeout, "describe": describe(args.batch, args.seq)},
                 "rows": sorted(merged.values(), key=lambda r: (r["layers"], -r["fraction"]))})
     run["linearity"] = linearity(run["rows"])
+    run["meta"] = meta
+    data = {"meta": meta, **{k: v for k, v in data.items() if k != "meta"}}  # the latest run's, for report --check
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=2))
     print(f"wrote {args.json} (label {label!r})")

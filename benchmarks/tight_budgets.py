@@ -54,6 +54,7 @@ import torch
 
 import optsched
 from benchmarks import timed_step
+from benchmarks.meta import run_meta
 from benchmarks.scaling_llama import git_state
 from optsched.measure import measure_ratio
 
@@ -213,8 +214,9 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         top = best_peak if best_peak is not None else eager_peak
         if top - lo < STOP_WITHIN * eager_peak:
             break
-        # a hint within HINT_MARGIN of the floor is the same answer again (its bytes may differ a little)
-        hint = next((h for h in hints if lo + HINT_MARGIN * eager_peak < h < top and h not in tried), None)
+        # a hint within HINT_MARGIN of the floor (an infeasible budget) is the same answer again (its bytes may differ a
+        # little); one at the proven bound is worth a probe: a plan there is the lowest peak any plan reaches
+        hint = next((h for h in hints if floor + HINT_MARGIN * eager_peak < h < top and h >= bound and h not in tried), None)
         budget, why = (hint, "infeasible error's lowest peak") if hint is not None else ((lo + top) // 2, "bisection")
         if budget in tried:
             break
@@ -374,12 +376,16 @@ def merge_run(path: Path, label: str, run: dict) -> dict:
     data = json.loads(path.read_text()) if path.exists() else {}
     runs = data.setdefault("runs", {})
     old = runs.get(label, {})
-    new = {**old, **{k: v for k, v in run.items() if k != "zoo"}}
+    meta = run_meta()
+    if (old.get("meta") or old.get("git") or {}).get("commit") != meta["commit"]:
+        old = {k: v for k, v in old.items() if k != "notes"}  # written by hand for the run at another commit
+    new = {**old, **{k: v for k, v in run.items() if k != "zoo"}, "meta": meta}
     if "zoo" in run:
         cases = {c["case"]: c for c in old.get("zoo", {}).get("cases", [])}
         cases.update({c["case"]: c for c in run["zoo"]["cases"]})
         new["zoo"] = {**run["zoo"], "cases": list(cases.values())}
     runs[label] = new
+    data = {"meta": meta, **{k: v for k, v in data.items() if k != "meta"}}  # the latest run's, for report --check
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     print(f"wrote {path} (label {label!r})")

@@ -14,7 +14,7 @@ fails reports the error's type and first line and the zoo goes on.
     python -m benchmarks.zoo --cases gpt2-labels,checkpoint --budgets none,0.6
     python -m benchmarks.zoo --list
 
-Writes benchmarks/results/zoo.json (the README's zoo table, through benchmarks.report).
+Writes benchmarks/results/zoo.json (docs/benchmarks.md's zoo table, through benchmarks.report).
 """
 
 from __future__ import annotations

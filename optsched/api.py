@@ -165,7 +165,11 @@ class Dispatcher:
         finally:
             self.owner.__dict__["plan"] = entry.plan
         if key[0][0]:  # grad mode: outputs no gradient flows into get None in the backward, not full zeros
-            release_unused_grads(out)
+            nodes = release_unused_grads(out)
+            handover = entry.backend.handover if entry.backend is not None else None
+            if handover is not None:
+                for node in nodes:  # the backward frees the output gradients at their last use
+                    handover.attach(node)
             observer = entry.backend.observer if entry.backend is not None else None
             if observer is not None:
                 observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours

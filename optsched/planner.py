@@ -53,6 +53,7 @@ from .plans.reuse import plan_from_file
 from .progress import LiveLine
 from .settings import PlanningSettings
 from .solvers import BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, default_schedule, simulate, solve
+from .solvers.model import clock
 from .solvers.model.problem import FusionOption, convexity_violation
 from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
 from .user_checkpoint import reference_peak, solve_within_user_checkpointing
@@ -285,6 +286,14 @@ class Planner:
         return problem, items
 
     def _solve_graph(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None) -> tuple[Plan, list]:
+        """One program's plan; `time_limit_s` is the time of every solve it makes together (chunk counts included),
+        counted on the solvers' clock (work in deterministic mode) from one account."""
+        self._time = _PlanningTime()
+        with clock.deterministic(self.settings.deterministic_planning):
+            return self._solve_graph_timed(gm, jg, name, usage)
+
+    def _solve_graph_timed(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None,
+                           ) -> tuple[Plan, list]:
         t = self.target
         costs = self.costs(gm, jg)
         built = build_problem(
@@ -299,6 +308,8 @@ class Planner:
             plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains)
         else:
             try:
+                # "auto" with a chain: the graph as captured gets AUTO_FIRST_SHARE, the chunk counts the rest
+                self._time.share = AUTO_FIRST_SHARE if chains else 1.0
                 plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
             except BudgetInfeasibleError as e:
                 if chains:  # "auto": chunks where the budget cannot be met without them
@@ -358,7 +369,8 @@ class Planner:
             tried.append((1, None, [], None, jg))
             failures.append((1, captured))
         best = None
-        for k in counts:
+        for i, k in enumerate(counts):
+            self._time.share = 1.0 / min(2, len(counts) - i)  # half of what is left; the last count all of it
             g, jgk, built_k = None, jg, built
             if k > 1:
                 g = copy_graph(gm)
@@ -381,7 +393,7 @@ class Planner:
             best = cand
         names = [c.name for c in chains]
         if best is None:
-            e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking)
+            e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self._time.limit)
             how = self.resolution.explain(reference)  # a training program's
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
@@ -431,7 +443,7 @@ class Planner:
     def _plan_fused(self, jg: JointGraph, built: Built, graph_nodes: int, budget_bytes: int | None = None,
                     ) -> tuple[Plan, list]:
         """Plan with the executor's vertical groups merged into ops and its horizontal candidates offered
-        as fusion options, decided in one solve (`solvers.solve` ends with `with_options_decided`: formed where the simulator says
+        as fusion options, decided in one solve (`solvers.solve`'s fusion-options move: formed where the simulator says
         the plan gets better; fusing independent ops makes their outputs live together, which is how
         memory-blind fusion inflates peaks). The formed ones are merged too, for lowering."""
         fusible = [self.target.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
@@ -527,6 +539,8 @@ class Planner:
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
         progress = LiveLine() if self.settings.progress else False
+        account = getattr(self, "_time", None) or _PlanningTime()
+        limit, start = account.slice(limit), clock.now()
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
@@ -541,6 +555,8 @@ class Planner:
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
             raise
+        finally:
+            account.spent += clock.now() - start
         t = self.target
         return Plan(
             problem=problem,
@@ -574,12 +590,29 @@ class Planner:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
 
 
+AUTO_FIRST_SHARE = 0.5  # chunking="auto": the share of the time limit the graph as captured gets (the counts the rest)
+
+
+class _PlanningTime:
+    """The time limit of one program's planning, shared by its solves: each gets `share` of what is left."""
+
+    def __init__(self) -> None:
+        self.limit: float | None = None  # set by the first solve (it depends on the graph's size)
+        self.spent = 0.0
+        self.share = 1.0
+
+    def slice(self, limit: float) -> float:
+        if self.limit is None:
+            self.limit = limit
+        return max(0.0, self.limit - self.spent) * self.share
+
+
 def _mib(b: int) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
 def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfeasibleError]], names: list[str],
-                        chunking) -> BudgetInfeasibleError:
+                        chunking, time_limit_s: float | None = None) -> BudgetInfeasibleError:
     """No chunk count tried fits: one error for all of them. Each count's bound holds for its own graph's plans
     only, so the bound of all is the lowest of theirs, and "none can" covers the counts tried, no others."""
     low = min((e for _, e in failures), key=lambda e: e.lowest_peak_bytes)
@@ -587,7 +620,7 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
     timed = [e for _, e in failures if isinstance(e, PlanningTimeLimitError)]
     if timed and budget_bytes >= bound:
         e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, elapsed_s=sum(x.elapsed_s or 0 for x in timed),
-                                   time_limit_s=timed[0].time_limit_s)
+                                   time_limit_s=time_limit_s or timed[0].time_limit_s)
     else:
         e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound)
     counts = [k for k, _ in failures]
@@ -601,13 +634,12 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
         text = (f"no plan fits {_mib(budget_bytes)}, and none can with {scope}: every such plan needs at least "
                 f"{_mib(bound)} (lowest peak found per chunk count: {per})")
     elif isinstance(e, PlanningTimeLimitError):
-        text = (f"no plan fits {_mib(budget_bytes)} with {scope} within the time limit ({e.time_limit_s:g}s per count): "
+        text = (f"no plan fits {_mib(budget_bytes)} with {scope} within the time limit ({e.time_limit_s:g}s, shared by the counts): "
                 f"lowest peak found per chunk count: {per}; none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); "
                 "a larger time_limit_s may find one")
     else:
         text = (f"no plan fits {_mib(budget_bytes)} with {scope}: none found; lowest peak found per chunk count: {per}, "
-                f"and none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); the search ended before its time limit, "
-                "so a larger one is unlikely to help")
+                f"and none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); the search ended before its time limit")
     e.args = (text,)
     return e
 

@@ -2,8 +2,7 @@
 
 from .model.problem import Op, Phase, Problem, Schedule, SolveStats, Tensor, TensorKind, default_schedule
 from .model.simulator import ScheduleError, SimResult, simulate
-from .search.strategy import BudgetInfeasibleError, PlanningTimeLimitError, Solution
-from .search.fusion_options import solve_with_options as solve  # fusion options decided too
+from .search.strategy import BudgetInfeasibleError, PlanningTimeLimitError, Solution, solve  # fusion options included
 
 __all__ = [
     "BudgetInfeasibleError",

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Protocol
 
+from .search.incumbent import gap
+
 
 class Display(Protocol):
     def show(self, text: str) -> None:
@@ -51,8 +53,7 @@ class ProgressLine:
         elapsed = time.perf_counter() - self.t0
         if obj is None:
             return f"{self.label}: {elapsed:5.1f}s  searching"
-        gap = (obj - bound) / obj if obj > 0 else 0.0
-        return f"{self.label}: {elapsed:5.1f}s  best {obj * 1e3:.3f} ms  bound {bound * 1e3:.3f} ms  gap {gap:.2%}"
+        return f"{self.label}: {elapsed:5.1f}s  best {obj * 1e3:.3f} ms  bound {bound * 1e3:.3f} ms  gap {gap(obj, bound):.2%}"
 
     def update(self, objective_s: float, bound_s: float) -> None:
         if self.display is not None:

@@ -34,7 +34,8 @@ def replay(problem: Problem, schedule: Schedule) -> Replay:
 
     - every op allocates its outputs at its step; a storage is live from the step that makes it to the
       last step reading it (inclusive), or only its own step if nobody reads it;
-    - inputs live all program, tangents through the backward, step outputs to the end, forward results
+    - inputs live all program, tangents through the backward (a TANGENT_FREED one from the backward's
+      start to its last reader), step outputs to the end, forward results
       the caller drops (`returned`) at least to the forward's end;
     - a backward step reads the recomputed copy of a tensor whose producer was recomputed before it,
       the original otherwise;
@@ -60,6 +61,8 @@ def replay(problem: Problem, schedule: Schedule) -> Replay:
             start[(t.id, False)], end[(t.id, False)] = 0, last
         elif t.kind is TensorKind.TANGENT:
             start[(t.id, False)], end[(t.id, False)] = n_fw, last
+        elif t.kind is TensorKind.TANGENT_FREED:  # the backward took it over: to its last reader
+            start[(t.id, False)], end[(t.id, False)] = n_fw, n_fw
     rc_done: set[int] = set()  # forward ops recomputed at an earlier step
     read_key: list[dict[int, tuple[int, bool]]] = []
     time_s = 0.0
@@ -111,7 +114,7 @@ def replay(problem: Problem, schedule: Schedule) -> Replay:
         crossing = sum(
             tensors[t].bytes
             for (t, c), s in start.items()
-            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind is TensorKind.TANGENT)
+            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED))
         )
         boundary = crossing + caller
     return Replay(max(timeline + [boundary]), time_s, timeline, boundary)
@@ -271,6 +274,7 @@ def _surely_held(problem: Problem, bw_order: list[int]):
                 sure.add(t)
         later = {t for t, j in last_read.items() if j > k and t not in sure}
         bw_later = {t for t in later if not fw_made(t) and tensors[t].producer in pos and pos[tensors[t].producer] < k}
+        bw_later |= {t for t in later if tensors[t].kind is TensorKind.TANGENT_FREED}  # a seed a later op reads
         held[k + 1] = sum(tensors[t].bytes for t in sure | bw_later) + (0 if op.reuse else op.workspace_bytes)
         for t in later:
             if fw_made(t):
@@ -401,7 +405,9 @@ def training_problems(
     ret: set[int] = set()
     if returned and acts and draw(st.integers(0, 3)) == 0:
         ret.add(draw(st.sampled_from(acts)))
-    tangent = new_tensor("tangent", 4, TensorKind.TANGENT)
+    # the seed: held by the engine all backward, or taken over by the backward (freed after its last reader)
+    freed_seed = draw(st.booleans())
+    tangent = new_tensor("tangent", size() if freed_seed else 4, TensorKind.TANGENT_FREED if freed_seed else TensorKind.TANGENT)
     if caller and draw(st.integers(0, 3)) == 0:
         new_tensor("caller_loss", size(), TensorKind.CALLER)
     outputs = {loss}

@@ -82,7 +82,7 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
         op = ops[o]
         for t in op.inputs:
             tensor = tensors[t]
-            if tensor.kind in (TensorKind.INPUT, TensorKind.TANGENT, TensorKind.CALLER):
+            if tensor.kind in (TensorKind.INPUT, TensorKind.TANGENT, TensorKind.TANGENT_FREED, TensorKind.CALLER):
                 continue
             producer = tensor.producer
             if producer is None:
@@ -196,6 +196,8 @@ def fused_replay(problem: Problem, schedule: Schedule) -> tuple[int, float]:
             start[(t.id, False)], end[(t.id, False)] = 0, last
         elif t.kind == TensorKind.TANGENT:
             start[(t.id, False)], end[(t.id, False)] = n_fw, last
+        elif t.kind == TensorKind.TANGENT_FREED:  # taken over by the backward: to its last reader
+            start[(t.id, False)], end[(t.id, False)] = n_fw, n_fw
     rc_done: set[int] = set()
     read_key: list[dict[int, tuple[int, bool]]] = []
     time_s = 0.0
@@ -242,7 +244,7 @@ def fused_replay(problem: Problem, schedule: Schedule) -> tuple[int, float]:
     if caller and len(units) > n_fw:
         peak = max(peak, caller + sum(
             size[t] for (t, c), s in start.items()
-            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind == TensorKind.TANGENT)))
+            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED))))
     return peak, time_s
 
 

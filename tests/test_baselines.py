@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from optsched.solvers import Phase, Problem, default_schedule, simulate
 from optsched.solvers.baselines import BASELINES, checkpoint_blocks, dtr_eviction, sqrt_segments
 from optsched.solvers.baselines.inductor_orders import bfs_order, dfs_order, lpmf_order
-from optsched.solvers.search.blocks import find_groups
+from optsched.solvers.search.blocks import find_blocks
 from optsched.solvers.search.heuristics import lower_bound_peak
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.bruteforce import training_problems
@@ -100,7 +100,7 @@ def test_sqrt_segments_lowers_a_chains_peak_recomputing_each_op_once():
 
 def test_checkpoint_blocks_k1_recomputes_inside_every_block():
     problem = chain_training_problem(8)
-    groups = find_groups(problem)
+    groups = find_blocks(problem)
     assert len(groups.blocks) >= 2
     recomputed = set(checkpoint_blocks(problem, k=1).recomputed(problem))
     for b in groups.blocks:

@@ -21,8 +21,8 @@ def test_tight_budgets_harness_on_smallest_case(tmp_path, monkeypatch):
     # says so, with the lowest peak the search found between the bound and eager's peak
     assert row.get("infeasible") and "predicted_peak_bytes" not in row, row
     assert row["budget_bytes"] < row["lower_bound_bytes"] <= row["lowest_peak_bytes"] < eager, row
-    # the one probe asks for exactly that lowest peak, and gets a plan there (the planner keeps the plan an
-    # error reported: strategy._reported_lowest), run within it with eager's gradients
+    # the one probe asks for exactly that lowest peak, and gets a plan there (the search finds it again by itself:
+    # nothing is remembered between solves), run within it with eager's gradients
     low = case["lowest"]
     (probe,) = low["probes"]
     assert probe["budget_bytes"] == row["lowest_peak_bytes"] and probe["why"] == "infeasible error's lowest peak", probe

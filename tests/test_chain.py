@@ -12,7 +12,7 @@ import pytest
 from optsched.solvers import Op, Phase, Problem, Schedule, Tensor, TensorKind, default_schedule, simulate, solve
 from optsched.solvers.cpsat.chain import BlockOption, ChainSegment, CopyLimits, choose_options
 from optsched.solvers.model import clock
-from optsched.solvers.search.blocks import find_groups
+from optsched.solvers.search.blocks import find_blocks
 from optsched.solvers.search.chain import improve_by_chain
 from optsched.solvers.search.heuristics import place_recomputes
 from optsched.solvers.search.segments import better, improve_by_segments
@@ -68,7 +68,7 @@ def _uniform(problem: Problem) -> Schedule:
 
 
 def _recompute_per_group(problem: Problem, schedule: Schedule) -> list[float]:
-    groups = find_groups(problem, schedule.fw_order)
+    groups = find_blocks(problem, schedule.fw_order)
     out = [0.0] * len(groups.members)
     for o in simulate(problem, schedule).recomputed_ops:
         out[groups.of_op[o]] += problem.ops[o].time_s

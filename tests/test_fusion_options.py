@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 import optsched
 from benchmarks.models.seed_functions import make_inputs, memory_peak_inefficient_func
 from optsched.measure import live_bytes, measure_peak, measure_training_step
-from optsched.solvers import Op, Phase, Problem, Schedule, ScheduleError, Tensor, TensorKind, default_schedule, simulate
+from optsched.solvers import Op, Phase, Problem, Schedule, ScheduleError, Tensor, TensorKind, default_schedule, simulate, solve
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
 from optsched.solvers.model.problem import FusionOption, SolveStats, convexity_violation
 from optsched.solvers.search.fusion_groups import merge_formed
-from optsched.solvers.search.fusion_options import form_options, solve_with_options, with_option
+from optsched.solvers.search.fusion_options import form_options, with_option
 from optsched.solvers.search.segments import splice
 from optsched.solvers.search.strategy import certify
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem, random_layered_problem
@@ -203,7 +203,7 @@ def test_the_segment_model_forms_a_backward_group_only_when_the_budget_allows(bu
     assert peak <= budget
     assert (time_s < sim.time_s) == formed
     # the whole solver agrees
-    sol = solve_with_options(p, budget, time_limit_s=3)
+    sol = solve(p, budget, time_limit_s=3)
     assert sol.schedule.formed == schedule.formed and sol.sim.peak_bytes <= budget
     assert violations(p, sol.schedule) == []
 
@@ -230,7 +230,7 @@ def test_the_bound_of_a_plan_with_a_formed_group_is_for_that_grouping(budget_mib
     assert stats.status == "OPTIMAL" and stats.notes[-1].startswith("bound: every save/recompute plan")
     assert fused_replay(p, schedule)[1] == pytest.approx(stats.bound_s)
     # and the whole solver, with the group formed after its solve, reports a bound below its plan
-    sol = solve_with_options(p, budget, time_limit_s=3)
+    sol = solve(p, budget, time_limit_s=3)
     assert sol.schedule.formed == (0,) and sol.stats.bound_s <= sol.sim.time_s * (1 + 1e-9)
 
 

@@ -83,7 +83,9 @@ def training_problems(draw) -> Problem:
     sinks = [a for a in acts[1:] if a not in read]
     loss = tensor("loss", 4, producer=n)
     ops.append(Op(n, "loss", Phase.FW, tuple(sinks), (loss,), time_s=1e-5))
-    seed = tensor("d_loss", 4, TensorKind.TANGENT)
+    freed_seed = draw(st.booleans())  # taken over by the backward (capture/tangent_handover.py), or held by the engine
+    seed = tensor("d_loss", draw(st.integers(1, 64)) * 1024 if freed_seed else 4,
+                  TensorKind.TANGENT_FREED if freed_seed else TensorKind.TANGENT)
 
     grads: dict[int, list[int]] = {loss: [seed]}  # activation -> its gradient contributions
     outputs = {loss}

@@ -16,7 +16,26 @@ from tests.bruteforce import enumerate_plans, min_time_within
 
 from optsched.solvers import solve as solve_mod
 
-from optsched.solvers.search import strategy as solve_module
+from optsched.solvers.model import clock
+from optsched.solvers.search import starts
+from optsched.solvers.search.incumbent import Incumbent
+
+
+def _interval_then_reorder(p, budget, time_s):
+    """The small-graph start moves on their own: the interval model, then reordering with recomputation redecided."""
+    inc = Incumbent(p, budget)
+    starts.interval_model(p, inc, 0.35 * time_s, 2)
+    starts.reorder_and_redecide(p, inc, clock.now() + 0.65 * time_s, 2)
+    return inc.best.schedule
+
+
+def _relaxation_then_reorder(p, budget, time_s, line):
+    """The large-graph start moves on their own: relaxation + repair, then reordering if nothing fits yet."""
+    inc = Incumbent(p, budget)
+    starts.relaxation_and_repair(p, inc, 0.7 * time_s, 2, line)
+    if not inc.found:
+        starts.reorder_only(p, inc, 0.3 * time_s, 2)
+    return inc.best.schedule
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +78,8 @@ def test_scalable_plan_within_one_percent_of_interval_model(gpt2_problem):
     off = ProgressLine("test", enabled=False)
     for frac in (0.85, 0.75):
         budget = int(frac * base.peak_bytes)
-        exact, _, _ = solve_module._solve_training(p, budget, 6.0, 2)
-        scalable, stats, _ = solve_module._solve_training_scalable(p, budget, 6.0, 2, off)
+        exact = _interval_then_reorder(p, budget, 6.0)
+        scalable = _relaxation_then_reorder(p, budget, 6.0, off)
         t_exact = simulate(p, exact).time_s
         t_scal = simulate(p, scalable).time_s
         assert simulate(p, scalable).peak_bytes <= budget
@@ -72,7 +91,7 @@ def test_scalable_path_on_a_long_chain_fits_and_reports_a_small_gap():
     base = simulate(p, default_schedule(p))
     budget = int(0.5 * base.peak_bytes)
     sol = solve_mod(p, budget, time_limit_s=10)
-    assert len(p.ops) > solve_module.INTERVAL_MODEL_MAX_OPS
+    assert len(p.ops) > starts.INTERVAL_MODEL_MAX_OPS
     assert sol.sim.peak_bytes <= budget
     assert 0.0 <= sol.stats.gap <= 0.02
     assert sol.stats.bound_s <= sol.sim.time_s
@@ -152,7 +171,9 @@ def test_large_graph_order_strategy_matches_the_exact_order_on_the_seed_function
             p = capture_problem(fn, (t0s, a), device_profile="cpu")
         exact = solve_order(p, time_limit_s=10)
         assert exact is not None and exact.status == "OPTIMAL"
-        sched, _stats = solve_module._solve_forward_only(p, 10.0, 2, exact_max_ops=0)
+        inc = Incumbent(p, None)
+        starts.forward_order(p, inc, 10.0, 2, exact_max_ops=0)
+        sched = inc.best.schedule
         scalable_peak = simulate(p, sched).peak_bytes
         assert scalable_peak <= simulate(p, Schedule(exact.order, [])).peak_bytes
         inputs = sum(t.bytes for t in p.tensors if t.kind.value == "input")

@@ -9,7 +9,7 @@ import pytest
 
 from optsched.solvers import BudgetInfeasibleError, Problem, Schedule, default_schedule, simulate, solve
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
-from optsched.solvers.search.blocks import find_groups, segments
+from optsched.solvers.search.blocks import find_blocks, segments
 from optsched.solvers.search.heuristics import lower_bound_peak, place_recomputes
 from optsched.solvers.search.reorder import base_orders
 from optsched.solvers.search.segments import better, improve_by_segments
@@ -22,7 +22,7 @@ KIB = 1024
 
 def test_blocks_of_a_chain_are_its_layers():
     p = chain_training_problem(n_layers=6, act_bytes=64 * KIB)
-    g = find_groups(p)
+    g = find_blocks(p)
     assert g.period == 2  # matmul, then pointwise
     assert len(g.blocks) >= 5
     for b in g.blocks:
@@ -33,7 +33,7 @@ def test_blocks_of_a_chain_are_its_layers():
 def test_backward_segments_cover_the_backward_in_runs():
     p = chain_training_problem(n_layers=5, act_bytes=64 * KIB)
     sim = simulate(p, default_schedule(p))
-    segs = segments(p, sim, find_groups(p))
+    segs = segments(p, sim, find_blocks(p))
     assert segs[0][0] == sim.n_forward_steps and segs[-1][1] == len(sim.steps)
     assert all(x[1] == y[0] for x, y in zip(segs, segs[1:]))
     assert len({g for _, _, g in segs}) == len(segs)  # a chain's backward visits each group once
@@ -237,10 +237,14 @@ def test_offloading_plans_are_deterministic():
 
 @pytest.mark.parametrize("host_bw", [0.0, 5e9])
 def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
-    """A user who asks for the lowest peak an error reported gets a plan, even when the search at that
-    budget would take another path (here: too little time to find anything by itself), and even for a
-    problem captured again (same structure, other op times)."""
+    """A user who asks for the lowest peak an error reported, passing the error's plan back (`hint`), gets a
+    plan, even when the search at that budget would take another path (here: too little time to find anything
+    by itself), and even for a problem captured again (same structure, other op times)."""
     import dataclasses
+
+    from optsched.solvers.progress import ProgressLine
+    from optsched.solvers.search import moves
+    from optsched.solvers.search.incumbent import Incumbent
 
     p = chain_training_problem(n_layers=30, act_bytes=64 * KIB, seed=1, host_bw=host_bw)
     lo = lower_bound_peak(p)
@@ -251,15 +255,16 @@ def test_the_lowest_peak_an_error_reports_is_met_as_a_budget(host_bw):
     assert simulate(p, e.value.lowest_schedule).peak_bytes == low
     again = Problem([dataclasses.replace(o, time_s=o.time_s * 1.5) for o in p.ops], p.tensors, outputs=p.outputs,
                     host_bw=p.host_bw)
-    sol = solve(again, low, time_limit_s=0.01, deterministic=True)
+    sol = solve(again, low, time_limit_s=0.01, deterministic=True, hint=e.value.lowest_schedule)
     assert sol.sim.peak_bytes <= low
-    # the plan is remembered by the problem's structure, op times aside: with nothing found, it is the answer
-    from optsched.solvers.search import strategy
-
-    nothing = strategy._heuristic_stats(again, simulate(again, default_schedule(again)), "none")
-    best, stats, _lowest = strategy._reported_lowest(again, low, None, nothing, default_schedule(again))
-    assert best is not None and simulate(again, best).peak_bytes == low
-    assert stats.method == "the lowest-peak plan an earlier error reported"
+    # the hint is a plan of the problem's structure, op times aside: with nothing else found, it is the answer
+    inc = Incumbent(again, low)
+    inc.offer(default_schedule(again), "none")
+    ctx = moves.Context(again, low, 1, ProgressLine("t", enabled=False), simulate(again, default_schedule(again)),
+                        hint=e.value.lowest_schedule)
+    moves.offer_hint(ctx, inc, 0.0)
+    assert inc.best is not None and inc.best.sim.peak_bytes == low
+    assert inc.best.stats.method == "the plan passed as a hint (an earlier solve's)"
 
 
 def test_solve_freezes_the_callers_heap_only_while_it_runs_and_never_unfreezes_the_callers_own():

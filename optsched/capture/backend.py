@@ -28,6 +28,7 @@ from ..settings import PlanningSettings
 from .errors import check_static_sizes
 from .joint_graph import build_joint_graph
 from .output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
+from .tangent_handover import TangentHandover, can_hand_over
 
 
 def _scalar_outputs(jg) -> list[bool]:
@@ -105,6 +106,7 @@ class PlanningBackend:
         self.usage = usage
         self.on_usage = on_usage
         self.observer: UsageObserver | None = None
+        self.handover: TangentHandover | None = None  # output gradients taken from the engine (tangent_handover)
         self.planner: Planner | None = None  # made when the graph (and so the device) is known
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -140,11 +142,15 @@ class PlanningBackend:
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs):
         """The backward, taking None for an output no gradient flowed into (see output_usage)."""
-        run, observer = boxed(gm), self.observer
+        run, observer, handover = boxed(gm), self.observer, self.handover
         positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
                      if n.name.startswith("tangents")]
+        if handover is not None and len(positions) != len(handover.tangent_of):  # pragma: no cover
+            raise RuntimeError(f"the lowered backward has {len(positions)} tangents, the joint graph {len(handover.tangent_of)}")
 
         def backward(args: list):
+            if handover is not None:
+                handover.give(args, positions)  # the gradients the engine's pre-hook took (tangent_handover)
             tangents = fill_missing_tangents(args, positions)
             if observer is None:
                 del tangents
@@ -161,7 +167,10 @@ class PlanningBackend:
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         """Plan the training step and lower it: the planned forward and backward."""
         drop_identity_clones(joint)  # dropout(p=0) and the like: eager returns the input, the trace copies it
-        jg = build_joint_graph(joint, num_fwd_outputs)
+        tangent_of = tangent_outputs(joint, [p for p in joint.graph.find_nodes(op="placeholder") if "tangents" in p.name])
+        handed = can_hand_over(joint, num_fwd_outputs, tangent_of)
+        self.handover = TangentHandover(num_fwd_outputs, tangent_of) if handed else None
+        jg = build_joint_graph(joint, num_fwd_outputs, freed_tangents=handed)
         usage, tangent_of = self._training_usage(joint, jg)
         plan, items = self.planner.plan(joint, jg, "training step", usage)
         self.observer = UsageObserver(

@@ -96,9 +96,10 @@ def _attr(gm: fx.GraphModule, target: str):
     return obj
 
 
-def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None) -> JointGraph:
+def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, freed_tangents: bool = False) -> JointGraph:
     """Index `gm` (a joint graph from the partition hook, or an inference graph when
-    `num_fwd_outputs` is None) by storage and phase."""
+    `num_fwd_outputs` is None) by storage and phase. `freed_tangents`: the backward takes its tangents
+    over from the autograd engine (capture/tangent_handover.py), so they die at their last use."""
     placeholders = gm.graph.find_nodes(op="placeholder")
     tangents = [p for p in placeholders if "tangents" in p.name]
     primals = [p for p in placeholders if p not in tangents]
@@ -119,7 +120,9 @@ def build_joint_graph(gm: fx.GraphModule, num_fwd_outputs: int | None = None) ->
     for p in placeholders:
         t = _tensor_val(p)
         if t is not None:
-            kind = TensorKind.TANGENT if p in tangents else TensorKind.INPUT
+            # a 0-dim seed is a loss's: `loss.backward()` itself holds it (autograd makes it before the engine runs)
+            seed = TensorKind.TANGENT_FREED if freed_tangents and t.dim() > 0 else TensorKind.TANGENT
+            kind = seed if p in tangents else TensorKind.INPUT
             jg.storage_of[p], _ = storage_for(p, t, kind)
     for node in gm.graph.nodes:
         if node.op == "get_attr":  # a constant the graph module holds (torch.tensor(...) in traced code)

@@ -179,10 +179,12 @@ def warn_if_underplanned(seen: OutputUsage, planned: OutputUsage, budgeted: bool
         )
 
 
-def release_unused_grads(outputs) -> None:
+def release_unused_grads(outputs) -> list:
     """Let the compiled backward receive None for outputs no gradient flowed into (instead of the
-    full-size zeros autograd makes by default). Call on what an optimized call returned."""
+    full-size zeros autograd makes by default). Call on what an optimized call returned. Returns the
+    compiled function's autograd nodes it found."""
     seen: set[int] = set()
+    found = []
     for t in pytree.tree_leaves(outputs):
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             continue
@@ -196,8 +198,10 @@ def release_unused_grads(outputs) -> None:
             seen.add(id(node))
             if type(node).__name__ == "CompiledFunctionBackward":
                 node.set_materialize_grads(False)
+                found.append(node)
                 break
             stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
 
 
 def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]]) -> list:

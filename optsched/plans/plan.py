@@ -22,7 +22,8 @@ SUMMARY_KEYS = {
     "'the device's free memory at the first call' (\"auto\"); None for a budget in bytes or no budget",
     "budget_reference_peak_bytes": "the unplanned peak the percentage was taken of: the program as captured, or, "
     "for a model with its own activation checkpointing, the step as it checkpoints (None unless budget_from is set)",
-    "lower_bound_bytes": "a peak no plan can go below",
+    "lower_bound_bytes": "a peak no plan of this captured program can go below (every order, save/recompute/offload "
+    "choice, storage reuse and fusion option; not other captures, e.g. a chunked loss)",
     "estimated_time_s": "cost-model time of the planned step",
     "unplanned_time_s": "cost-model time of the program as captured",
     "time_ratio": "estimated_time_s / unplanned_time_s",

@@ -342,7 +342,8 @@ class _SegmentModel:
 
     def _pinned(self, key: tuple[int, bool]) -> bool:
         t = self.p.tensors[key[0]]
-        return t.kind is not TensorKind.ACTIVATION or (t.id in self.p.outputs and not key[1])
+        free = (TensorKind.ACTIVATION, TensorKind.TANGENT_FREED)  # a freed seed lives to its last reader
+        return t.kind not in free or (t.id in self.p.outputs and not key[1])
 
     def _workspace(self) -> None:
         for i, (o, _rc) in enumerate(self.fixed):

@@ -55,7 +55,8 @@ def reorder_window(
             continue
         start = pos[producer_at[key]] if made_inside else 0
         t = problem.tensors[key[0]]
-        pinned = t.kind is not TensorKind.ACTIVATION or (t.id in problem.visible and not key[1])
+        # a seed the backward frees (TANGENT_FREED) lives to its last reader, like an activation
+        pinned = t.kind not in (TensorKind.ACTIVATION, TensorKind.TANGENT_FREED) or (t.id in problem.visible and not key[1])
         if pinned:  # inputs, tangents and outputs live to a fixed step, whatever the order
             ends = [m.NewConstant(min(n, e - a + 1))]
         else:

@@ -66,6 +66,9 @@ class OrderedProblem:
         if t.kind is TensorKind.TANGENT:  # held by the autograd engine through the whole backward
             self._add_static(t.bytes, F, T - 1)
             return
+        if t.kind is TensorKind.TANGENT_FREED:  # taken over by the backward: to its last reader
+            self._add_static(t.bytes, F, min(T - 1, max([F] + [self.pos[b] for b in self.bw_readers[t.id]])))
+            return
         if t.kind is TensorKind.CALLER:
             # the caller's loss between forward and backward, counted at the backward's first step: above
             # what the simulator counts there (it adds it to what crosses the boundary only), so a plan these

@@ -30,11 +30,17 @@ class Phase(str, Enum):
 
 class TensorKind(str, Enum):
     INPUT = "input"  # parameters, buffers, user inputs: held by the caller all step
-    TANGENT = "tangent"  # gradient seeds handed to the backward
+    TANGENT = "tangent"  # gradient seeds handed to the backward, held by the autograd engine all backward
+    # a gradient seed the backward takes over from the engine (capture/tangent_handover.py): freed after
+    # its last read, like an activation made at the backward's start
+    TANGENT_FREED = "tangent_freed"
     ACTIVATION = "activation"  # allocated by an op of this step
     # what the caller allocates between forward and backward (its loss on the outputs): live as the
     # backward starts, gone after its first step
     CALLER = "caller"
+
+
+TANGENTS = (TensorKind.TANGENT, TensorKind.TANGENT_FREED)  # the gradient seeds, however long they live
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ class Problem:
                     raise ValueError(f"tensor {self.tensors[t].name!r} does not name op {op.name!r} as producer")
                 produced.add(t)
         for t in self.tensors:
-            if t.kind is TensorKind.TANGENT and any(
+            if t.kind in TANGENTS and any(
                 self.ops[c].phase is Phase.FW for c in self.consumers()[t.id]
             ):
                 raise ValueError(f"tangent {t.name!r} is read in the forward")

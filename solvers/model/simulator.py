@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from . import clock
 from .fusion_sim import formed_runs, hidden_bytes, merge_runs, step_workspace
 from .offload_sim import OffloadEvent, replay_offload
-from .problem import Phase, Problem, Schedule, ScheduleError, TensorKind
+from .problem import TANGENTS, Phase, Problem, Schedule, ScheduleError, TensorKind
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, 
             span[(t.id, False)] = [0, last]
         elif t.kind is TensorKind.TANGENT:
             span[(t.id, False)] = [n_fw, last]
+        elif t.kind is TensorKind.TANGENT_FREED:  # to its last read (reads extend it)
+            span[(t.id, False)] = [n_fw, min(n_fw, last)]
     return span
 
 
@@ -255,7 +257,7 @@ def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_s
     live = sum(
         problem.tensors[lt.tensor].bytes if nbytes is None else nbytes[lt.tensor]
         for lt in lifetimes
-        if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind is TensorKind.TANGENT)
+        if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind in TANGENTS)
     )
     return live + caller
 

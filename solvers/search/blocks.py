@@ -79,7 +79,7 @@ def _longest_period(codes: np.ndarray) -> tuple[int, int, int]:
     return best[2], -best[1], best[3]
 
 
-def find_groups(problem: Problem, fw_order: list[int] | None = None) -> Groups:
+def find_blocks(problem: Problem, fw_order: list[int] | None = None) -> Groups:
     fw = fw_order if fw_order is not None else [o.id for o in problem.fw_ops]
     sigs: dict[tuple, int] = {}
     codes = np.array([sigs.setdefault(op_signature(problem, o), len(sigs)) for o in fw], dtype=np.int64)

@@ -29,9 +29,10 @@ from ..cpsat.segment import free_ops, replan_segment
 from ..model import clock
 from ..model.problem import Phase, Problem, Schedule, ScheduleError, reject
 from ..model.simulator import SimResult, simulate
-from .blocks import Groups, find_groups, segments
+from .blocks import Groups, find_blocks, segments
 from .heuristics import place_recomputes
-from .segments import SEGMENT_S, better, offload_window, replace_run, same_shape
+from .incumbent import better
+from .segments import SEGMENT_S, offload_window, replace_run, same_shape, translate
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def improve_by_chain(
 
 def _one_pass(problem: Problem, schedule: Schedule, budget: int, deadline: float, workers: int, offload: bool) -> Schedule:
     sim = simulate(problem, schedule)
-    groups = find_groups(problem, schedule.fw_order)
+    groups = find_blocks(problem, schedule.fw_order)
     segs = segments(problem, sim, groups)
     runs: dict[int, int] = {}
     for _a, _b, g in segs:
@@ -253,7 +254,9 @@ def _apply_one(problem: Problem, sim: SimResult, groups: Groups, src: int, g: in
     if not mine:
         return None
     old = sim.steps[a:b]
-    new = _translate(problem, opt, old, fw_map) if len(mine) == len(opt.free) else None
+    new = None
+    if len(mine) == len(opt.free) and same_shape(problem, opt.old, old):  # the same op shapes as the option's segment
+        new = translate(opt.steps, {s: i for i, s in enumerate(opt.old)}, old, fw_map)
     if new is None:
         new = _place(problem, [s for s in old if not (s[1] and s[0] in mine)], {fw_map[f] for f in opt.recompute} & mine)
     moved = None
@@ -269,23 +272,6 @@ def _applies(problem: Problem, sim: SimResult, groups: Groups, src: int, g: int,
     fw_map = dict(zip(groups.members[src], groups.members[g]))
     free = set(free_ops(problem, sim, *seg, groups.members[g], offload=opt.windowed))
     return sum(fw_map.get(f) in free for f in opt.free) >= 0.8 * len(opt.free)
-
-
-def _translate(problem: Problem, opt: _Option, old: list, fw_map: dict) -> list | None:
-    """The option's steps as the segment `old`'s, when that runs the same op shapes as the segment the
-    option was planned from (its steps through their place there); None otherwise."""
-    if not same_shape(problem, opt.old, old):
-        return None
-    where = {s: i for i, s in enumerate(opt.old)}
-    out = []
-    for o, rc in opt.steps:
-        if (o, rc) in where:
-            out.append(old[where[(o, rc)]])
-        elif rc and o in fw_map:
-            out.append((fw_map[o], True))
-        else:
-            return None
-    return out
 
 
 def _place(problem: Problem, fixed: list[tuple[int, bool]], recompute: set[int]) -> list[tuple[int, bool]]:

@@ -16,23 +16,21 @@ the plan's peak); the simulator judges that too.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 from ..cpsat.segment import replan_segment
 from ..model import clock
-from ..model.problem import Phase, Problem, Schedule, ScheduleError, SolveStats, collecting_rejections, reject
+from ..model.problem import Phase, Problem, Schedule, ScheduleError, reject
 from ..model.simulator import SimResult, simulate
+from .incumbent import better, fits
 from .segments import splice
-from .strategy import Solution, certify, solve
 
 log = logging.getLogger(__name__)
 
 MIB = 2**20
 WINDOW = 8  # backward steps on each side of a group's members the segment model may reorder
-WINDOW_S = 1.0  # the most that model may take
-CERTIFY_S = 1.0  # the most the relaxation may take to bound a plan with groups formed here
+WINDOW_S = 1.0  # the most that model may take (and no more than the move's slice of the time limit has left)
 
 
 @dataclass
@@ -44,13 +42,11 @@ class FusionDecision:
 
 
 def accepts(new: SimResult, old: SimResult, budget: int | None) -> bool:
-    """Whether forming a group that turns `old` into `new` is kept (see the module docstring)."""
-    t_new, t_old = round(new.time_s, 12), round(old.time_s, 12)
+    """Whether forming a group that turns `old` into `new` is kept: `incumbent.better` within the budget;
+    with none, within `old`'s peak and faster (fusing independent ops can raise the peak)."""
     if budget is None:
-        return t_new < t_old and new.peak_bytes <= old.peak_bytes
-    if new.peak_bytes > budget:
-        return False
-    return old.peak_bytes > budget or (t_new, new.peak_bytes) < (t_old, old.peak_bytes)
+        return better(new, old, old.peak_bytes) and round(new.time_s, 12) < round(old.time_s, 12)
+    return fits(new, budget) and better(new, old, budget)
 
 
 def together(problem: Problem, order: list[int], members: set[int], at_last: bool = True,
@@ -121,8 +117,9 @@ def with_option(problem: Problem, schedule: Schedule, i: int, at_last: bool = Tr
 
 
 def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: SimResult | None = None,
-                 ) -> FusionDecision:
-    """Each option not formed in `schedule` tried on it (both placements), kept when `accepts` says so."""
+                 deadline: float | None = None) -> FusionDecision:
+    """Each option not formed in `schedule` tried on it (both placements), kept when `accepts` says so;
+    `deadline` (a clock.now()): no segment model is started after it."""
     sim = simulate(problem, schedule) if sim is None else sim
     out = FusionDecision(schedule, sim)
     for i, opt in enumerate(problem.fusion_options):
@@ -146,8 +143,10 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
                 best = (cand, csim)
         how = ""
         if problem.ops[opt.members[0]].phase is Phase.BW and (best is None or best[1].peak_bytes > out.sim.peak_bytes):
-            modelled = _by_segment_model(problem, out.sim, i, budget)  # may form it without raising the peak
-            if modelled is not None and (best is None or _dominates(modelled[1], best[1])):
+            left = WINDOW_S if deadline is None else min(WINDOW_S, deadline - clock.now())
+            # may form it without raising the peak
+            modelled = _by_segment_model(problem, out.sim, i, budget, left) if left > 0.05 else None
+            if modelled is not None and (best is None or better(modelled[1], best[1], best[1].peak_bytes)):
                 best, how = modelled, " (the backward around it reordered by the segment model)"
         if best is not None:
             out.saved_s += out.sim.time_s - best[1].time_s
@@ -168,13 +167,8 @@ def form_options(problem: Problem, schedule: Schedule, budget: int | None, sim: 
     return out
 
 
-def _dominates(a: SimResult, b: SimResult) -> bool:
-    """No slower and no higher, and better in one."""
-    ta, tb = round(a.time_s, 12), round(b.time_s, 12)
-    return ta <= tb and a.peak_bytes <= b.peak_bytes and (ta, a.peak_bytes) != (tb, b.peak_bytes)
-
-
-def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | None) -> tuple[Schedule, SimResult] | None:
+def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | None, time_s: float = WINDOW_S,
+                      ) -> tuple[Schedule, SimResult] | None:
     """Backward option `i` formed by the segment model on a window around its members (order decided with
     it): within the budget (none: the plan's peak), else at the window's lowest peak (the model does not
     count storage reuse, so it may see the plan above its real peak); kept when the simulator accepts it."""
@@ -182,7 +176,7 @@ def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | No
     at = [k for k, (o, rc) in enumerate(sim.steps) if not rc and o in set(problem.fusion_options[i].members)]
     a, b = max(n_fw, at[0] - WINDOW), min(len(sim.steps), at[-1] + WINDOW + 1)
     for cap in (sim.peak_bytes if budget is None else budget, None):
-        res = replan_segment(problem, sim, a, b, [], cap, time_limit_s=WINDOW_S / 2, decide_fusion=True)
+        res = replan_segment(problem, sim, a, b, [], cap, time_limit_s=time_s / 2, decide_fusion=True)
         if res is None or not res.fusion.get(i):
             continue
         cand = splice(problem, sim, a, b, res.steps, fusion=res.fusion)
@@ -194,51 +188,3 @@ def _by_segment_model(problem: Problem, sim: SimResult, i: int, budget: int | No
         if i in cand.formed and accepts(csim, sim, budget):
             return cand, csim
     return None
-
-
-def decided_stats(problem: Problem, budget: int | None, stats: SolveStats, decision: FusionDecision) -> SolveStats:
-    """The solve's stats after `form_options`: the plan's time, and a bound for the groups it now forms.
-    Without a budget, the solve's bound (each op once) less what the new groups save. With one, the
-    relaxation again (`certify`, CERTIFY_S) on the plan with its groups merged: hiding a group's internal
-    values and holding its inputs through the run change memory, so the old bound less the time saved
-    is not a bound."""
-    if not decision.saved_s:
-        return dataclasses.replace(stats, notes=stats.notes + decision.notes)
-    objective = decision.sim.time_s
-    out = dataclasses.replace(stats, objective_s=objective, notes=[n for n in stats.notes if not n.startswith("bound:")])
-    if budget is None:
-        bound = max(0.0, min(stats.bound_s - decision.saved_s, objective))
-        out.bound_s, out.gap = bound, (objective - bound) / objective if objective > 0 else 0.0
-        out.status = "FEASIBLE" if stats.status == "OPTIMAL" and out.gap > 1e-9 else stats.status
-        out.notes = stats.notes + decision.notes
-        return out
-    out.status = "FEASIBLE" if stats.status == "OPTIMAL" else stats.status
-    certify(problem, decision.schedule, budget, out, CERTIFY_S, workers=1)
-    out.notes += decision.notes
-    return out
-
-
-def solve_with_options(
-    problem: Problem, budget_bytes: int | None, *, time_limit_s: float = 5.0, workers: int | None = None,
-    progress=False, deterministic: bool = False,
-) -> Solution:
-    """`strategy.solve`, then the fusion options it left unformed decided on its plan (`with_options_decided`);
-    this is `optsched.solvers.solve`. Without fusion options it is `strategy.solve` exactly; with them, deciding
-    takes up to WINDOW_S per backward option and CERTIFY_S beyond `time_limit_s`."""
-    sol = solve(problem, budget_bytes, time_limit_s=time_limit_s, workers=workers, progress=progress,
-                deterministic=deterministic)
-    return with_options_decided(problem, budget_bytes, sol, deterministic=deterministic)
-
-
-def with_options_decided(problem: Problem, budget_bytes: int | None, sol: Solution, *, deterministic: bool = False,
-                         ) -> Solution:
-    """`sol` with the fusion options it left unformed decided on its plan (`form_options`); `sol` itself for
-    a problem without options. `deterministic`: as `solve`'s (the segment model's answers repeat)."""
-    if not problem.fusion_options:
-        return sol
-    with clock.deterministic(deterministic), collecting_rejections() as rejected:
-        decision = form_options(problem, sol.schedule, budget_bytes, sol.sim)
-        decision.notes += rejected.notes()
-        stats = decided_stats(problem, budget_bytes, sol.stats, decision)
-    return dataclasses.replace(sol, schedule=decision.schedule, sim=decision.sim, stats=stats,
-                               lower_bound_bytes=min(sol.lower_bound_bytes, decision.sim.peak_bytes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..model.problem import Problem, Schedule, TensorKind
+from ..model.problem import TANGENTS, Problem, Schedule, TensorKind
 from ..model.liveness import recompute_candidates
 from ..model.simulator import simulate
 from ..model import clock
@@ -152,21 +152,36 @@ def full_recompute(problem: Problem) -> Schedule:
 
 
 def lower_bound_peak(problem: Problem) -> int:
-    """A peak no schedule can go below: inputs, plus any one op's operands, or the step's outputs at the end,
-    or, when the caller computes a loss between forward and backward, its memory with the tangents it makes."""
+    """A peak no plan of this problem can go below (every order, save/recompute/offload choice, storage reuse
+    and set of formed fusion options the simulator accepts; see `peak_bound`): the larger of the simple
+    bound (inputs, plus any one op's operands and scratch, or the step's outputs at the end, or, when the
+    caller computes a loss between forward and backward, its memory with the tangents it makes) and
+    `peak_bound.step_bound` (what must be live together at each op's step, minimized by a cut over the
+    choices around it). Values a fusion option may keep inside its kernel count 0, and an op in an option
+    the smaller of its scratch and the option's."""
+    from .peak_bound import step_bound
+
+    return max(simple_peak_bound(problem), step_bound(problem))
+
+
+def simple_peak_bound(problem: Problem) -> int:
+    """The simple part of `lower_bound_peak`: inputs plus the largest of one op's operands and scratch, the
+    step's outputs, the caller's loss with the tangents."""
+    from .peak_bound import _sizes, _workspaces
+
+    size, ws = _sizes(problem), _workspaces(problem)
     inputs = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.INPUT)
-    act = lambda ids: sum(problem.tensors[t].bytes for t in set(ids) if problem.tensors[t].kind is not TensorKind.INPUT)  # noqa: E731
+    act = lambda ids: sum(size[t] for t in set(ids) if problem.tensors[t].kind is not TensorKind.INPUT)  # noqa: E731
     best = act(problem.outputs)
     caller = [t.id for t in problem.tensors if t.kind is TensorKind.CALLER]
     if caller and problem.has_backward:
-        best = max(best, act(caller + [t.id for t in problem.tensors if t.kind is TensorKind.TANGENT]))
+        best = max(best, act(caller + [t.id for t in problem.tensors if t.kind in TANGENTS]))
     for op in problem.ops:
         # an output written into an input's storage shares its bytes: count the larger saving (all, together)
         reused = [problem.tensors[i].bytes for _o, i in op.reuse]
         shared = sum(reused) if op.reuse_all else max(reused, default=0)  # reuse_all: every pair at once
-        best = max(best, act(op.inputs + op.outputs) - shared + op.workspace_bytes)
+        best = max(best, act(op.inputs + op.outputs) - shared + ws[op.id])
     return inputs + best
-
 
 
 def prune_recomputes(

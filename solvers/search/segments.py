@@ -22,7 +22,8 @@ from ..model import clock
 from ..cpsat.segment import OffloadWindow, free_ops, replan_segment
 from ..model.problem import Problem, Schedule, reject
 from ..model.simulator import ScheduleError, SimResult, simulate
-from .blocks import Groups, find_groups, op_signature, segments
+from .blocks import Groups, find_blocks, op_signature, segments
+from .incumbent import better, fits as _fits
 from .offload import step_with_compute_before
 
 log = logging.getLogger(__name__)
@@ -31,20 +32,6 @@ SEGMENT_S = 2.0  # the most one segment model may take
 PREFETCH_LEAD = 1.0  # a segment's offloads come back this many copy times of compute before it
 PREFETCH_SHARES = (0.25, 0.5, 1.0)  # the prefetch steps a segment model chooses from: hiding these shares of
 # copying all it may offload
-
-
-def _fits(sim: SimResult, budget: int | None) -> bool:
-    return budget is None or sim.peak_bytes <= budget
-
-
-def better(a: SimResult, b: SimResult, budget: int | None) -> bool:
-    """Within budget and faster (then lower); else, while neither fits, lower."""
-    fa, fb = _fits(a, budget), _fits(b, budget)
-    if fa != fb:
-        return fa
-    if fa:
-        return (round(a.time_s, 12), a.peak_bytes) < (round(b.time_s, 12), b.peak_bytes)
-    return (a.peak_bytes, round(a.time_s, 12)) < (b.peak_bytes, round(b.time_s, 12))
 
 
 def splice(
@@ -121,7 +108,7 @@ def improve_by_segments(
     """The best plan reached from `schedule` by replanning segments (never worse than `schedule`), and
     whether the deadline cut the search short (False: no segment change helps any more). `offload`:
     segments may offload their activations too (when the problem has host bandwidth)."""
-    groups = find_groups(problem, schedule.fw_order)
+    groups = find_blocks(problem, schedule.fw_order)
     best, bsim = schedule, simulate(problem, schedule)
     tried: set[tuple] = set()
     for _ in range(max_rounds):
@@ -211,7 +198,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
         if not same_shape(problem, old_steps, target_old):
             continue
         fw_map = dict(zip(groups.members[g], groups.members[h]))
-        mapped = _translate(solved, old_index, target_old, fw_map)
+        mapped = translate(solved, old_index, target_old, fw_map)
         trial = None if mapped is None else replace_run(problem, sim, target_old, mapped, map_offloads(problem, moved, fw_map),
                                                        fusion=map_fusion(problem, fusion, old_index, target_old))
         if trial is None:
@@ -234,9 +221,10 @@ def same_shape(problem: Problem, src_steps, dst_steps) -> bool:
     )
 
 
-def _translate(solved, old_index: dict, target_old: list, fw_map: dict) -> list | None:
-    """The solved segment's steps as the other block's: its recomputations through `fw_map`, its other
-    steps through their place in the old segment. None when a step has no counterpart."""
+def translate(solved, old_index: dict, target_old: list, fw_map: dict) -> list | None:
+    """The solved segment's steps as the other block's (`old_index`: step -> place in the segment it was
+    solved from): its recomputations through `fw_map`, its other steps through their place in the old
+    segment. None when a step has no counterpart."""
     out = []
     for o, rc in solved:
         if rc and o in fw_map:

@@ -1,0 +1,96 @@
+"""The incumbent: the one place that decides which plan is better.
+
+Every move of the search (strategy.PORTFOLIO) offers its plans here. Each is simulated once and
+judged by one comparator (`better`: within the budget first, then faster, then lower); the
+incumbent keeps the best plan and the lowest-peak plan, each with the stats of the move it came
+from. So no plan over budget leaves the search, and no two places can disagree on "better".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..model.problem import Problem, Schedule, SolveStats, reject
+from ..model.simulator import ScheduleError, SimResult, simulate
+
+log = logging.getLogger(__name__)
+
+NOTHING_FITS = -1  # a budget no plan meets: `better` under it orders by peak, then time
+
+
+def fits(sim: SimResult, budget: int | None) -> bool:
+    return budget is None or sim.peak_bytes <= budget
+
+
+def gap(objective_s: float, bound_s: float) -> float:
+    """(objective - bound) / objective, never negative: how far a plan may be from the best."""
+    return max(0.0, (objective_s - bound_s) / objective_s) if objective_s > 0 else 0.0
+
+
+def better(a: SimResult, b: SimResult | None, budget: int | None) -> bool:
+    """The comparator: `a` fits and `b` does not; both fit and `a` is faster (then lower); neither fits
+    and `a` is lower (then faster). Times are compared rounded to 1e-12 s (sums of ns costs)."""
+    if b is None:
+        return True
+    fa, fb = fits(a, budget), fits(b, budget)
+    if fa != fb:
+        return fa
+    ta, tb = round(a.time_s, 12), round(b.time_s, 12)
+    return (ta, a.peak_bytes) < (tb, b.peak_bytes) if fa else (a.peak_bytes, ta) < (b.peak_bytes, tb)
+
+
+def heuristic_stats(problem: Problem, sim: SimResult, method: str) -> SolveStats:
+    """Stats of a plan no model proved anything about: the bound is the step with every op once."""
+    bound = sum(o.time_s for o in problem.ops)
+    status = "OPTIMAL" if sim.time_s <= bound else "HEURISTIC"  # nothing recomputed, no stall: nothing is faster
+    return SolveStats(status, sim.time_s, bound, gap(sim.time_s, bound), 0.0, method, ["bound: every plan (each op once)"])
+
+
+@dataclass
+class Candidate:
+    schedule: Schedule
+    sim: SimResult
+    stats: SolveStats
+
+
+class Incumbent:
+    """The best plan (`better` under the budget) and the lowest-peak plan offered so far."""
+
+    def __init__(self, problem: Problem, budget: int | None):
+        self.problem, self.budget = problem, budget
+        self.best: Candidate | None = None  # fits the budget
+        self.lowest: Candidate | None = None  # lowest peak, fits or not
+
+    @property
+    def start(self) -> Candidate | None:
+        """Where an improving move starts: the best plan, else the lowest (to make one fit)."""
+        return self.best or self.lowest
+
+    @property
+    def found(self) -> bool:
+        return self.best is not None
+
+    def offer(self, schedule: Schedule, how: SolveStats | str, sim: SimResult | None = None,
+              *, rejected: str = "candidate(s) rejected") -> Candidate | None:
+        """Consider a plan; `how` is its stats or, for a heuristic's plan, the method's name. Returns the
+        candidate (None when the plan does not replay: it is dropped with `rejected` as the reason)."""
+        if sim is None:
+            try:
+                sim = simulate(self.problem, schedule)
+            except ScheduleError as e:
+                reject(log, rejected, e)
+                return None
+        stats = heuristic_stats(self.problem, sim, how) if isinstance(how, str) else how
+        cand = Candidate(schedule, sim, stats)
+        if fits(sim, self.budget) and (better(sim, self.best and self.best.sim, self.budget) or self._wins_tie(cand)):
+            self.best = cand
+        if better(sim, self.lowest and self.lowest.sim, NOTHING_FITS):
+            self.lowest = cand
+        return cand
+
+    def _wins_tie(self, cand: Candidate) -> bool:
+        """A model's plan replaces an equal heuristic one (its stats say more)."""
+        b = self.best
+        return (b is not None and b.stats.status == "HEURISTIC" and cand.stats.status != "HEURISTIC"
+                and not better(b.sim, cand.sim, self.budget))

@@ -1,0 +1,407 @@
+"""A lower bound on the peak of every plan a `Problem` allows, stronger than one op's operands.
+
+`step_bound(problem)` (used by `heuristics.lower_bound_peak`, which takes the max with its older
+per-op bound) is valid over **every plan the simulator accepts for the problem**: every forward order and
+backward order consistent with the dependencies, every save/recompute choice (each recomputable forward
+op recomputed at most once, anywhere in the backward), every offload the problem permits (an
+offloadable saved activation is off the device between its copy out and its prefetch), every subset of
+the fusion options formed, with storage reuse (`Op.reuse`, `reuse_all`) taken wherever the simulator
+could take it. It says nothing about other problems of the same program (another graph capture, other
+fusion groups merged into ops, chunked loss heads, other measured costs).
+
+Why it holds. Sizes first: a value made and read only inside a fusion option (`internal_tensors`) takes no
+memory when the option is formed, so it counts 0 here (`_sizes`); an op in an option counts the smaller
+of its own scratch space and the option's. Forming an option otherwise only lengthens lifetimes and
+constrains the order, so the arguments below, made without it, stay lower bounds with it.
+
+The simulator's step k holds every copy made at or before k and read at or after k (reuse ends an input's
+copy one step before the reading step only when that step is its last reader). Three families of points:
+
+* **Each backward op b** (it runs exactly once, after the whole forward). At b's step these are live in
+  every plan: inputs (all step); tangents held by the engine (`TANGENT`, the whole backward); step outputs
+  made in the forward (to the end); b's operands, less the inputs b may write its output into (the
+  largest such pair, or every pair of a `reuse_all` op; a pair counts only where its input may die at b:
+  an activation no descendant of b reads through the same copy); b's scratch. On top, a minimum cut
+  (`_cut`) over what the plan decides around b:
+    - which other backward ops run before b (a set closed under dependencies, containing b's ancestors,
+      none of its descendants). A step output made by a backward op before b is live to the end; a value
+      made by a backward op before b and read by one after b is live at b (backward values are never
+      recomputed or offloaded); a gradient seed freed at its last read (`TANGENT_FREED`) is live at b
+      while a reader runs after b;
+    - for each forward value some backward op after b reads: a copy is live at b, or (recomputable
+      producer) it is made again after b, which needs the producer's forward inputs after b in turn
+      (the same choice, recursively). An offloadable activation (host bandwidth > 0) costs nothing
+      (it may be on the host at b), nor does one of b's operands (counted already). Recomputing "at most
+      once" is relaxed away, which only lowers the cut.
+  Every plan gives one such choice, and the bytes it holds at b are at least the constant part plus the
+  cut's value for that choice; the minimum over choices is therefore a lower bound at b.
+* **Each forward op f**: inputs, its operands (less reuse as above), scratch, and the values made by f's
+  ancestors that a descendant of f in the forward reads, or that are step outputs or returned values
+  (live at least to the forward's end), or that a backward op reads when they can neither be recomputed
+  nor offloaded (the backward then reads the original copy).
+* **The caller's loss** (`TensorKind.CALLER`, when there is a backward): inputs, every gradient seed,
+  the caller's tensors, the step outputs made in the forward, and the forward values the backward reads
+  that can neither be recomputed nor offloaded nor written over at the backward's first step.
+
+The cuts are exact minimum cuts (a small Dinic max-flow); the backward ops are visited in the order of
+an upper bound of theirs, so most need no flow at all; once the networks built reach `WORK_BUDGET` edges
+the remaining ops keep their constant part (still a valid bound, and deterministic: no clock is read).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..model.fusion_sim import internal_tensors
+from ..model.problem import Phase, Problem, TensorKind
+
+WORK_BUDGET = 200_000  # edges of the cut networks built per problem (then the rest keep their constant part)
+_INF = 1 << 62
+
+
+def step_bound(problem: Problem) -> int:
+    """The largest of the three families of bounds above (0 for an empty problem)."""
+    return _Bound(problem).value()
+
+
+def explain(problem: Problem) -> tuple[int, str]:
+    """(the bound, where it holds: "at <op>" or "while the caller computes its loss")."""
+    b = _Bound(problem)
+    return b.value(), b.where
+
+
+class _Bound:
+    def __init__(self, p: Problem):
+        self.p = p
+        self.size = _sizes(p)
+        self.ws = _workspaces(p)
+        self.readers = p.consumers()
+        kinds = [t.kind for t in p.tensors]
+        self.fw_made = [t.producer is not None and p.ops[t.producer].phase is Phase.FW for t in p.tensors]
+        self.bw_made = [t.producer is not None and p.ops[t.producer].phase is Phase.BW for t in p.tensors]
+        self.inputs = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.INPUT)
+        self.held_tangents = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.TANGENT)
+        self.fw_outputs = {t for t in p.outputs if self.fw_made[t]}
+        self.offloadable = [
+            p.host_bw > 0 and t.offloadable and t.kind is TensorKind.ACTIVATION and t.id not in p.outputs
+            and (p.host_budget_bytes is None or t.bytes <= p.host_budget_bytes)
+            for t in p.tensors
+        ]
+        self.recomputable = [op.phase is Phase.FW and op.recomputable for op in p.ops]
+        self.preds = [sorted({p.tensors[t].producer for t in op.inputs if p.tensors[t].producer is not None})
+                      for op in p.ops]
+        n = len(p.ops)
+        self.anc = [0] * n  # bitsets over op ids
+        for op in p.ops:  # program order is topological
+            a = 0
+            for q in self.preds[op.id]:
+                a |= self.anc[q] | (1 << q)
+            self.anc[op.id] = a
+        succ: list[list[int]] = [[] for _ in range(n)]
+        for o in range(n):
+            for q in self.preds[o]:
+                succ[q].append(o)
+        self.succ = succ
+        self.desc = [0] * n
+        for o in reversed(range(n)):
+            d = 0
+            for s in succ[o]:
+                d |= self.desc[s] | (1 << s)
+            self.desc[o] = d
+        self.where = ""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pinned(self, t: int) -> bool:
+        """A forward value the backward can only read through its original copy, on the device."""
+        prod = self.p.tensors[t].producer
+        return self.fw_made[t] and not self.recomputable[prod] and not self.offloadable[t]
+
+    def _operands(self, op, skip: set[int]) -> tuple[int, set[int]]:
+        """Bytes of the op's operands not in `skip`, less what storage reuse may save, plus its scratch."""
+        ids = set(op.inputs) | set(op.outputs)
+        own = ids - skip
+        total = sum(self.size[t] for t in own)
+        pairs = [self._may_reuse(op, inp) for _out, inp in op.reuse]
+        if op.reuse_all:
+            shared = sum(self.p.tensors[i].bytes for _o, i in op.reuse) if pairs and all(pairs) else 0
+        else:
+            shared = max((self.p.tensors[i].bytes for (_o, i), ok in zip(op.reuse, pairs) if ok), default=0)
+        return max(0, total - shared) + self.ws[op.id], own
+
+    def _may_reuse(self, op, inp: int) -> bool:
+        """Whether `op` may write into `inp` in some plan: an activation nobody outside holds, whose copy op reads
+        may die at op (no descendant of op reads that copy: values of the backward and values of forward ops
+        that cannot be recomputed have one copy only)."""
+        t = self.p.tensors[inp]
+        if t.kind is not TensorKind.ACTIVATION or inp in self.p.visible:
+            return False
+        one_copy = self.bw_made[inp] or not self.recomputable[t.producer]
+        return not (one_copy and any(self.desc[op.id] >> r & 1 for r in self.readers[inp] if r != op.id))
+
+    # ------------------------------------------------------------------ families
+
+    def value(self) -> int:
+        p = self.p
+        if not p.ops:
+            return 0
+        best, where = self._caller(), "while the caller computes its loss"
+        for op in p.fw_ops:
+            v = self._forward(op)
+            if v > best:
+                best, where = v, f"at {op.name}"
+        bw = p.bw_ops
+        consts = {b.id: self._bw_const(b) for b in bw}
+        self.work = 0
+        if len(self._relevant()) * len(bw) <= WORK_BUDGET:  # an upper bound per op: visit the promising first
+            order = sorted(((consts[b.id][0] + self._cut(b, consts[b.id][1], upper=True), b.id) for b in bw),
+                           reverse=True)
+        else:  # too large to bound each: the constant parts decide the order, with no early stop
+            order = sorted(((_INF, b.id) for b in bw), key=lambda x: (-consts[x[1]][0], x[1]))
+        for up, b in order:
+            if up <= best:
+                break
+            const, skip = consts[b]
+            v = const
+            if self.work < WORK_BUDGET:
+                v += self._cut(p.ops[b], skip)
+            if v > best:
+                best, where = v, f"at {p.ops[b].name}"
+        self.where = where
+        return best
+
+    def _caller(self) -> int:
+        p = self.p
+        caller = [t.id for t in p.tensors if t.kind is TensorKind.CALLER]
+        if not caller or not p.has_backward:
+            return 0
+        reused_in_bw = {i for op in p.bw_ops for _o, i in op.reuse}
+        held = set(caller) | {t.id for t in p.tensors if t.kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED)}
+        held |= self.fw_outputs
+        held |= {t for t in range(len(p.tensors)) if self._pinned(t) and t not in reused_in_bw
+                 and any(p.ops[r].phase is Phase.BW for r in self.readers[t])}
+        return self.inputs + sum(self.size[t] for t in held if p.tensors[t].kind is not TensorKind.INPUT)
+
+    def _forward(self, f) -> int:
+        p = self.p
+        v, own = self._operands(f, {t.id for t in p.tensors if t.kind is TensorKind.INPUT})
+        anc, desc = self.anc[f.id], self.desc[f.id]
+        for t in p.tensors:
+            if t.id in own or not self.fw_made[t.id] or not anc >> t.producer & 1:
+                continue
+            rs = self.readers[t.id]
+            if ((t.id in p.visible and not self.offloadable[t.id])
+                    or any(desc >> r & 1 and p.ops[r].phase is Phase.FW for r in rs)
+                    or (self._pinned(t.id) and any(p.ops[r].phase is Phase.BW for r in rs))):
+                v += self.size[t.id]
+        return self.inputs + v
+
+    def _bw_const(self, b) -> tuple[int, set[int]]:
+        p = self.p
+        if not hasattr(self, "_fixed"):
+            self._fixed = {t.id for t in p.tensors if t.kind in (TensorKind.INPUT, TensorKind.TANGENT)} | self.fw_outputs
+        fixed = self._fixed
+        v, own = self._operands(b, fixed)
+        const = self.inputs + self.held_tangents + sum(self.size[t] for t in self.fw_outputs) + v
+        return const, fixed | own
+
+    # ------------------------------------------------------------------ the cut at a backward op
+
+    def _relevant(self) -> list[int]:
+        """Tensors a cut may count: values of the backward, freed seeds, forward values the backward reads."""
+        if not hasattr(self, "_rel"):
+            p = self.p
+            self._rel = [
+                t.id for t in p.tensors
+                if self.size[t.id] and (self.bw_made[t.id] or t.kind is TensorKind.TANGENT_FREED
+                                        or (self.fw_made[t.id] and t.id not in self.fw_outputs
+                                            and any(p.ops[r].phase is Phase.BW for r in self.readers[t.id])))
+            ]
+        return self._rel
+
+    def _cut(self, b, skip: set[int], upper: bool = False) -> int:
+        """The least bytes the plan's choices around backward op `b` keep live there (see the module docstring),
+        over tensors not in `skip`. `upper`: the value of one feasible choice instead (b's ancestors before it,
+        every needed forward value kept), an upper bound on the minimum."""
+        p = self.p
+        anc, desc = self.anc[b.id], self.desc[b.id]
+        if upper:
+            up = 0
+            for tid in self._relevant():
+                if tid in skip:
+                    continue
+                others = [r for r in self.readers[tid] if r != b.id]
+                if self.bw_made[tid]:
+                    prod = p.tensors[tid].producer
+                    if not anc >> prod & 1:
+                        continue
+                    if tid in p.outputs or any(not anc >> r & 1 for r in others):
+                        up += self.size[tid]
+                elif self.fw_made[tid] and self.offloadable[tid]:
+                    continue
+                elif any(not anc >> r & 1 for r in others if p.ops[r].phase is Phase.BW):
+                    up += self.size[tid]
+            return up
+        net = _Net()
+        SRC, SNK = net.node(), net.node()
+        op_node: dict[int, int] = {}
+        for o in p.bw_ops:
+            if o.id != b.id:
+                op_node[o.id] = k = net.node()
+                if anc >> o.id & 1:
+                    net.edge(SRC, k, _INF)
+                elif desc >> o.id & 1:
+                    net.edge(k, SNK, _INF)
+        for o, k in op_node.items():  # source side (before b) is closed under dependencies
+            for q in self.preds[o]:
+                if q in op_node:
+                    net.edge(k, op_node[q], _INF)
+        fw_in: dict[int, int] = {}
+        todo: list[int] = []
+
+        def fwn(t: int) -> int:
+            """The 'needed after b' node of a forward value (sink side = needed)."""
+            if t not in fw_in:
+                fw_in[t] = net.node()
+                todo.append(t)
+            return fw_in[t]
+
+        for tid in self._relevant():
+            if tid in skip:
+                continue
+            t = p.tensors[tid]
+            others = [r for r in self.readers[tid] if r != b.id]
+            if self.bw_made[tid]:
+                prod = t.producer
+                if prod == b.id or (desc >> prod & 1):
+                    continue
+                if tid in p.outputs:
+                    net.edge(op_node[prod], SNK, self.size[tid])
+                elif others:
+                    y = net.node()
+                    net.edge(op_node[prod], y, self.size[tid])
+                    for r in others:
+                        net.edge(y, op_node[r], _INF)
+            elif t.kind is TensorKind.TANGENT_FREED:
+                if others:
+                    y = net.node()
+                    net.edge(SRC, y, self.size[tid])
+                    for r in others:
+                        net.edge(y, op_node[r], _INF)
+            else:
+                for r in others:
+                    if p.ops[r].phase is Phase.BW:
+                        net.edge(fwn(tid), op_node[r], _INF)
+        while todo:  # forward values: kept at b (their bytes), or made again after b from their inputs
+            t = todo.pop()
+            k = fw_in[t]
+            free = t in skip or self.offloadable[t] or self.size[t] == 0
+            prod = p.tensors[t].producer
+            if free and not self.recomputable[prod]:
+                continue
+            out = net.node()
+            if not free:
+                net.edge(out, k, self.size[t])
+            if not self.recomputable[prod]:
+                net.edge(SRC, out, _INF)
+                continue
+            for u in p.ops[prod].inputs:
+                if self.fw_made[u] and u not in self.fw_outputs:
+                    net.edge(fwn(u), out, _INF)
+        self.work += len(net.to) // 2
+        return net.max_flow(SRC, SNK)
+
+
+def _sizes(p: Problem) -> list[int]:
+    """Bytes per tensor, 0 for a value a fusion option may keep inside its kernel."""
+    size = [t.bytes for t in p.tensors]
+    if p.fusion_options:
+        readers = p.consumers()
+        for opt in p.fusion_options:
+            for t in internal_tensors(p, opt.members, readers):
+                size[t] = 0
+    return size
+
+
+def _workspaces(p: Problem) -> list[int]:
+    """Scratch bytes per op, the smaller of its own and its fusion option's."""
+    ws = [op.workspace_bytes for op in p.ops]
+    for opt in p.fusion_options:
+        for o in opt.members:
+            ws[o] = min(ws[o], opt.workspace_bytes)
+    return ws
+
+
+class _Net:
+    """A flow network with integer capacities; `max_flow` is Dinic's algorithm."""
+
+    def __init__(self) -> None:
+        self.adj: list[list[int]] = []
+        self.to: list[int] = []
+        self.cap: list[int] = []
+
+    def node(self) -> int:
+        self.adj.append([])
+        return len(self.adj) - 1
+
+    def edge(self, u: int, v: int, c: int) -> None:
+        self.adj[u].append(len(self.to))
+        self.to.append(v)
+        self.cap.append(c)
+        self.adj[v].append(len(self.to))
+        self.to.append(u)
+        self.cap.append(0)
+
+    def max_flow(self, s: int, t: int) -> int:
+        adj, to, cap = self.adj, self.to, self.cap
+        flow = 0
+        while True:
+            level = [-1] * len(adj)
+            level[s] = 0
+            q = deque([s])
+            while q:
+                u = q.popleft()
+                for e in adj[u]:
+                    if cap[e] > 0 and level[to[e]] < 0:
+                        level[to[e]] = level[u] + 1
+                        q.append(to[e])
+            if level[t] < 0:
+                return flow
+            it = [0] * len(adj)
+            while True:
+                f = self._push(s, t, _INF, level, it)
+                if not f:
+                    break
+                flow += f
+                if flow >= _INF:
+                    return _INF
+
+    def _push(self, s: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
+        """One augmenting path in the level graph (iterative DFS), its bottleneck pushed."""
+        adj, to, cap = self.adj, self.to, self.cap
+        path: list[int] = []  # edges
+        u = s
+        while True:
+            if u == t:
+                f = min(cap[e] for e in path)
+                for e in path:
+                    cap[e] -= f
+                    cap[e ^ 1] += f
+                return f
+            while it[u] < len(adj[u]):
+                e = adj[u][it[u]]
+                v = to[e]
+                if cap[e] > 0 and level[v] == level[u] + 1:
+                    break
+                it[u] += 1
+            else:
+                if not path:
+                    return 0
+                level[u] = -1  # dead end
+                e = path.pop()
+                u = to[e ^ 1]
+                it[u] += 1
+                continue
+            e = adj[u][it[u]]
+            path.append(e)
+            u = to[e]

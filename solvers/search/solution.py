@@ -1,0 +1,77 @@
+"""What a solve returns: a `Solution`, or an error carrying the lowest-peak plan found and a proven bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.problem import Schedule, SolveStats
+from ..model.simulator import SimResult
+
+
+class BudgetInfeasibleError(Exception):
+    """No plan found within the budget. Carries the lowest peak found and a proven lower bound.
+
+    `proven`: the budget is below the bound, so no plan can fit. Otherwise a plan may exist
+    between the bound and the lowest peak found; `PlanningTimeLimitError` (a subclass) says the
+    time limit ended the search, this class alone that every move of the search ended by itself.
+    `lowest_schedule` can be passed back as a solve's `hint`.
+    """
+
+    def __init__(
+        self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None,
+        *, elapsed_s: float | None = None, time_limit_s: float | None = None,
+    ):
+        self.budget_bytes = budget_bytes
+        self.lowest_peak_bytes = lowest_peak_bytes
+        self.lowest_schedule = lowest_schedule  # a plan that reaches lowest_peak_bytes
+        self.lower_bound_bytes = lower_bound_bytes
+        self.elapsed_s = elapsed_s
+        self.time_limit_s = time_limit_s
+        super().__init__(self._message())
+
+    @property
+    def proven(self) -> bool:
+        """No plan can fit: the budget is below a peak every plan reaches."""
+        return self.budget_bytes < self.lower_bound_bytes
+
+    @property
+    def peak_gap(self) -> float:
+        """(lowest peak found - bound) / lowest peak found: how far the search may be from the lowest peak."""
+        if self.lowest_peak_bytes <= 0:
+            return 0.0
+        return max(0.0, (self.lowest_peak_bytes - self.lower_bound_bytes) / self.lowest_peak_bytes)
+
+    def _message(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        found = f"the lowest peak found is {mib(self.lowest_peak_bytes)}"
+        if self.proven:
+            return f"no plan fits {mib(self.budget_bytes)}, and none can: every plan needs at least {mib(self.lower_bound_bytes)} ({found})"
+        took = f" after {self.elapsed_s:.1f}s" if self.elapsed_s is not None else ""
+        # no claim about larger limits: the moves' time slices grow with the limit and may find lower plans
+        return (
+            f"no plan fits {mib(self.budget_bytes)}: none found{took}; {found}, and no plan can go below "
+            f"{mib(self.lower_bound_bytes)} (gap {self.peak_gap:.1%}); every move of the search ended before its "
+            "share of the time limit"
+        )
+
+
+class PlanningTimeLimitError(BudgetInfeasibleError):
+    """The time limit ended the search before a plan within the budget was found: one may exist."""
+
+    def _message(self) -> str:
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        return (
+            f"no plan fits {mib(self.budget_bytes)} within the time limit: it ended the search ({self.time_limit_s:g}s, "
+            f"{self.elapsed_s:.1f}s used) before one was found; the lowest peak found is {mib(self.lowest_peak_bytes)} and no "
+            f"plan can go below {mib(self.lower_bound_bytes)} (gap {self.peak_gap:.1%}); a larger time_limit_s may find one"
+        )
+
+
+@dataclass
+class Solution:
+    schedule: Schedule
+    sim: SimResult
+    stats: SolveStats
+    baseline: SimResult  # the program as captured, unplanned
+    budget_bytes: int | None
+    lower_bound_bytes: int

@@ -1,0 +1,210 @@
+"""The solving methods behind the portfolio's start moves and reordering (strategy.PORTFOLIO).
+
+Each offers its plans to the incumbent (search/incumbent.py) instead of returning them: the
+incumbent judges. Forward-only programs: the exact order model or windows. Training programs:
+the interval save/recompute model per fixed order (small graphs), the relaxation with repair
+(large ones), and reordering windows around the peak with recomputation decided again.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..cpsat.bound import solve_bound_and_repair
+from ..cpsat.order import solve_order
+from ..cpsat.remat import min_peak_remat, solve_remat
+from ..model import clock
+from ..model.problem import Problem, Schedule, SolveStats, default_schedule
+from ..model.simulator import simulate
+from ..progress import ProgressLine
+from .blocks import find_blocks
+from .heuristics import greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates
+from .incumbent import Incumbent, fits, gap
+from .reorder import base_orders, refine_order
+
+EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
+INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
+GAP_TARGET = 0.002  # stop a model once its plan is provably within 0.2% of the step time
+
+
+def forward_order(problem: Problem, inc: Incumbent, time_limit_s: float, workers: int,
+                  exact_max_ops: int = EXACT_ORDER_MAX_OPS) -> None:
+    """Forward-only: the program's and the greedy order, then the exact order model up to `exact_max_ops`
+    ops, above it the better of those refined by CP-SAT windows. The order model ignores scratch space and
+    in-place reuse, so its OPTIMAL is a note, not a proof (the certification decides the status)."""
+    program = [o.id for o in problem.fw_ops]
+    greedy = greedy_forward_order(problem)
+    for name, order in (("program", program), ("greedy", greedy)):
+        inc.offer(Schedule(order, []), _forward_stats(f"order from {name}", "greedy order", "HEURISTIC"))
+    start = inc.lowest.schedule
+    if len(program) > exact_max_ops:  # the greedy order has no lookahead: a path it starts early may only finish late
+        refined = refine_order(problem, start, time_limit_s=time_limit_s, workers=workers, max_rounds=50)
+        inc.offer(refined, _forward_stats("order from windows", "greedy order + cp-sat windows", "HEURISTIC"))
+        return
+    res = solve_order(problem, hint=start.fw_order, time_limit_s=time_limit_s, workers=workers)
+    if res is not None:
+        note = (f"order model {res.status} at {res.bound_bytes} bytes (it ignores scratch space and in-place reuse: "
+                "not a proof)" if res.bound_bytes else f"order model {res.status}")
+        inc.offer(Schedule(res.order, []), _forward_stats("order from cp-sat", "cp-sat exact order", "FEASIBLE", note))
+
+
+def _forward_stats(*notes_method_status: str) -> SolveStats:
+    first, method, status, *more = notes_method_status
+    return SolveStats(status, 0.0, 0.0, 0.0, 0.0, method, [first, *more])
+
+
+def interval_model(problem: Problem, inc: Incumbent, time_limit_s: float, workers: int) -> None:
+    """Save/recompute by the interval model in the program's and the greedy forward order; when nothing
+    fits, the lowest peak each order allows."""
+    bw = [o.id for o in problem.bw_ops]
+    program = [o.id for o in problem.fw_ops]
+    orders = [(program, "program order")]
+    greedy_fw = greedy_forward_order(problem)
+    if greedy_fw != program:
+        orders.append((greedy_fw, "greedy forward order"))
+    deadline = clock.now() + time_limit_s
+    for fw, label in orders:
+        remat_candidates(problem, inc, fw, bw, 0.7 * time_limit_s / len(orders), workers, label)
+    if not inc.found:  # over budget in every fixed order: start reordering from the lowest peak instead
+        min_peak(problem, inc, program, bw, deadline - clock.now(), workers, "program order")
+
+
+def reorder_and_redecide(problem: Problem, inc: Incumbent, deadline: float, workers: int) -> None:
+    """Reorder around the peak, then decide recomputation again for the new order, while that lowers the peak."""
+    for round_ in range(8):
+        left = deadline - clock.now()
+        if left < 0.2:
+            return
+        base = inc.start
+        refined = refine_order(problem, base.schedule, time_limit_s=0.25 * left, workers=workers)
+        label = f"reordered x{round_ + 1}"
+        cand = inc.offer(refined, f"{base.stats.method}, then {label}")
+        if cand.sim.peak_bytes >= base.sim.peak_bytes:
+            return
+        fw, bw = base_orders(problem, refined)
+        remat_candidates(problem, inc, fw, bw, 0.5 * (deadline - clock.now()), workers, label)
+        if not inc.found:  # still over budget: push the peak down as far as this order allows
+            min_peak(problem, inc, fw, bw, 0.3 * (deadline - clock.now()), workers, label)
+
+
+def reorder_only(problem: Problem, inc: Incumbent, time_limit_s: float, workers: int) -> None:
+    """Large graphs: reorder windows around the peak; the recompute set (so the time) stays."""
+    base = inc.start
+    inc.offer(refine_order(problem, base.schedule, time_limit_s=time_limit_s, workers=workers), base.stats)
+
+
+def min_peak(problem: Problem, inc: Incumbent, fw: list[int], bw: list[int], time_s: float, workers: int,
+             label: str) -> None:
+    res = min_peak_remat(problem, fw, bw, time_limit_s=max(0.2, time_s), workers=workers)
+    if res is not None:
+        inc.offer(place_recomputes(problem, fw, bw, res[0]), f"cp-sat lowest-peak recompute, {label}")
+
+
+def remat_candidates(problem: Problem, inc: Incumbent, fw: list[int], bw: list[int], time_s: float, workers: int,
+                     label: str) -> None:
+    """The greedy plan and the interval model's (warm-started from it) for one fixed order."""
+    budget = inc.budget
+    heur = inc.offer(greedy_recompute(problem, budget, fw, bw), f"greedy recompute, {label}")
+    hint = set(heur.sim.recomputed_ops) if fits(heur.sim, budget) else None
+    t_start = time.perf_counter()
+    res = solve_remat(problem, fw, bw, budget, time_limit_s=max(0.2, time_s), workers=workers, hint=hint)
+    if res is None or res.status == "INFEASIBLE":
+        return
+    kept = prune_recomputes(problem, budget, fw, bw, res.recompute) if budget is not None else res.recompute
+    sched = place_recomputes(problem, fw, bw, kept)
+    sim = simulate(problem, sched)
+    repaired = ""
+    if not fits(sim, budget):  # the model's plan is over in the simulator: recompute more, greedily, from it
+        fixed = simulate(problem, greedy_recompute(problem, budget, fw, bw, start=set(kept)))
+        if fits(fixed, budget):
+            kept = prune_recomputes(problem, budget, fw, bw, set(fixed.recomputed_ops))
+            sched = place_recomputes(problem, fw, bw, kept)
+            sim, repaired = simulate(problem, sched), " (repaired greedily)"
+    bound = sum(problem.ops[o].time_s for o in fw + bw)  # each op once: the interval model's bound is not valid
+    # the interval model counts memory conservatively: its OPTIMAL proves nothing about the simulator's plans
+    notes = list(res.notes) + ([f"interval model {res.status} (conservative memory: not a proof)"]
+                               if res.status == "OPTIMAL" else [])
+    inc.offer(sched, SolveStats("FEASIBLE", sim.time_s, bound, gap(sim.time_s, bound), time.perf_counter() - t_start,
+                                f"cp-sat save/recompute{repaired}, {label}", notes), sim)
+
+
+def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float, workers: int,
+                          line: ProgressLine) -> None:
+    """Large graphs: the relaxation in the program's order (repeated blocks deciding alike first), repaired
+    until the simulator agrees, a greedy finish if needed, recomputations the budget does not need taken back."""
+    budget = inc.budget
+    if budget is None:
+        inc.offer(default_schedule(problem), "no recomputation needed")
+        return
+    deadline = clock.now() + time_limit_s
+    fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
+    base_s = sum(o.time_s for o in problem.ops)
+    groups = find_blocks(problem, fw)
+    ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
+    res = None
+    if ties:  # repeated blocks decide alike first: a model L times smaller to search, solved in seconds
+        line.note(f"relaxation + repair, {len(groups.blocks)} blocks deciding alike")
+        res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+                                     time_limit_s=0.3 * time_limit_s, workers=workers, ties=ties,
+                                     gap_s=GAP_TARGET * base_s)
+    # then each block on its own, from the tied plan: kept when it fits and is faster
+    untied = solve_bound_and_repair(
+        problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+        time_limit_s=(0.6 if res is None or not res.fits else 0.4) * (deadline - clock.now()), workers=workers,
+        hint=set(res.recompute) if res is not None else None,
+        on_solution=lambda obj, bound: line.update(base_s + obj, base_s + bound), gap_s=GAP_TARGET * base_s,
+    )
+    if untied is not None and (res is None or _faster_fit(problem, fw, bw, untied, res)):
+        res = untied
+    chosen = set(res.recompute) if res is not None else set()
+    line.note("repairing with the greedy heuristic")
+    sched = greedy_recompute(problem, budget, fw, bw, start=chosen, deadline=deadline)
+    if simulate(problem, sched).peak_bytes <= budget:
+        line.note("dropping recomputations the budget does not need")
+        kept = prune_recomputes(problem, budget, fw, bw, set(sched.recomputed(problem)), deadline=deadline)
+        sched = place_recomputes(problem, fw, bw, kept)
+    sim = simulate(problem, sched)
+    bound = base_s + (res.bound_s if res is not None else 0.0)
+    method = "cp-sat relaxation + repair, program order" + (
+        ", blocks alike" if ties and res is not None and res.bound_s == 0.0 else "")
+    if res is not None and set(sim.recomputed_ops) != chosen:
+        method += " + greedy"
+    notes = [f"relaxation {res.status}, {res.rounds} rounds" if res is not None else "relaxation found nothing"]
+    inc.offer(sched, SolveStats("FEASIBLE" if res is not None else "HEURISTIC", sim.time_s, bound,
+                                gap(sim.time_s, bound), 0.0, method, notes), sim)
+    if not inc.found:
+        # the repair ran out of time or budget: recomputing every candidate is a cheap plan whose peak
+        # is often lower, so the lowest peak reported (and the start of reordering) is never worse
+        inc.offer(place_recomputes(problem, fw, bw, recompute_candidates(problem)),
+                  "recompute every candidate, program order")
+
+
+def _step_profile(problem: Problem, fw_order: list[int], bw_order: list[int], budget: int):
+    """For the relaxation's repair: simulated live bytes per model step, or None when the plan fits."""
+
+    def run(recompute: set[int]) -> list[int] | None:
+        sim = simulate(problem, place_recomputes(problem, fw_order, bw_order, recompute))
+        if sim.peak_bytes <= budget:
+            return None
+        per_step, j = [], -1
+        for k, (_o, is_rc) in enumerate(sim.steps):
+            if k < sim.n_forward_steps:
+                per_step.append(sim.timeline[k])
+                continue
+            if not per_step or len(per_step) == sim.n_forward_steps + j + 1:
+                per_step.append(0)
+            per_step[-1] = max(per_step[-1], sim.timeline[k])
+            if not is_rc:
+                j += 1
+        return per_step
+
+    return run
+
+
+def _faster_fit(problem: Problem, fw: list[int], bw: list[int], a, b) -> bool:
+    """Whether relaxation result `a` is a better start than `b`: it fits and `b` does not, or both fit and it
+    is faster, or neither fits and its peak is lower (the greedy repair has less to do)."""
+    if a.fits != b.fits:
+        return a.fits
+    sa, sb = (simulate(problem, place_recomputes(problem, fw, bw, x.recompute)) for x in (a, b))
+    return sa.time_s < sb.time_s if a.fits else sa.peak_bytes < sb.peak_bytes

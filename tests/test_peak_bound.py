@@ -1,0 +1,100 @@
+"""The peak lower bound (`solvers/search/peak_bound.py`, through `heuristics.lower_bound_peak`): valid over every
+plan the simulator accepts, checked against brute force, and stronger than the simple per-op bound.
+
+- small random training problems (`tests/bruteforce.py`: reuse, `reuse_all`, scratch, a caller's loss, returned
+  values, non-recomputable ops; with the seed held by the engine or freed at its last read): the bound is at most
+  the least simulated peak over every save/recompute plan in many forward and backward orders (those plans are
+  real plans, so any excess is a real violation);
+- random problems with offloading (`tests/test_fuzz.py`'s generator, host bandwidth on or off): at most the
+  simulated peak of every plan the heuristics make, offloads included;
+- on a chain like a transformer's layers, strictly above the simple bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optsched.solvers import Phase, Problem, TensorKind, default_schedule, simulate
+from optsched.solvers.search.heuristics import greedy_recompute, lower_bound_peak, simple_peak_bound
+from optsched.solvers.search.offload import add_offloads
+from optsched.solvers.search.peak_bound import explain, step_bound
+from optsched.solvers.synthetic import chain_training_problem
+from tests.test_fuzz import training_problems as offload_problems
+from tests.bruteforce import describe, enumerate_plans, min_peak, topological_fw_orders, training_problems
+
+FIXED = settings(max_examples=150, deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+
+def _bw_orders(problem: Problem, limit: int) -> list[list[int]]:
+    """Up to `limit` topological orders of the backward ops."""
+    bw = [o.id for o in problem.bw_ops]
+    deps = {o: {problem.tensors[t].producer for t in problem.ops[o].inputs} & set(bw) for o in bw}
+    out: list[list[int]] = []
+
+    def rec(order: list[int], left: set[int]) -> None:
+        if len(out) >= limit:
+            return
+        if not left:
+            out.append(list(order))
+            return
+        for o in sorted(left):
+            if deps[o] <= set(order):
+                order.append(o)
+                rec(order, left - {o})
+                order.pop()
+
+    rec([], set(bw))
+    return out
+
+
+def _freed_seed(problem: Problem) -> Problem:
+    tensors = [dataclasses.replace(t, kind=TensorKind.TANGENT_FREED) if t.kind is TensorKind.TANGENT else t
+               for t in problem.tensors]
+    return dataclasses.replace(problem, tensors=tensors)
+
+
+@FIXED
+@given(training_problems(max_fw=7), st.booleans())
+def test_bound_below_brute_force_minimum(problem, freed):
+    if freed:
+        problem = _freed_seed(problem)
+    bound = lower_bound_peak(problem)
+    assert bound >= simple_peak_bound(problem)
+    lowest = min(min_peak(enumerate_plans(problem, fo, bo, check=False))
+                 for fo in topological_fw_orders(problem, limit=6) for bo in _bw_orders(problem, 6))
+    assert bound <= lowest, f"bound {bound} ({explain(problem)[1]}) above a plan's peak {lowest}:\n{describe(problem)}"
+
+
+@settings(FIXED, max_examples=60)
+@given(offload_problems())
+def test_bound_below_offloading_plans(problem):
+    bound = lower_bound_peak(problem)
+    base = default_schedule(problem)
+    peaks = [simulate(problem, base).peak_bytes]
+    rc = greedy_recompute(problem, bound)
+    peaks.append(simulate(problem, rc).peak_bytes)
+    for sched in (base, rc):
+        off = add_offloads(problem, sched, bound)
+        if off is not None:
+            peaks.append(simulate(problem, off).peak_bytes)
+    assert bound <= min(peaks), (bound, peaks, explain(problem)[1], describe(problem))
+
+
+def test_stronger_than_simple_bound_on_a_layer_chain():
+    """Backward of a chain: the gradients made so far and the chain's running gradient are live together."""
+    problem = chain_training_problem()
+    assert step_bound(problem) > simple_peak_bound(problem)
+    assert lower_bound_peak(problem) == step_bound(problem)
+    # and still below the plans the heuristics find
+    assert lower_bound_peak(problem) <= simulate(problem, greedy_recompute(problem, 0)).peak_bytes
+
+
+def test_says_where_it_holds():
+    problem = chain_training_problem()
+    value, where = explain(problem)
+    assert value == step_bound(problem) and where.startswith("at ")
+    assert any(where == f"at {o.name}" for o in problem.ops if o.phase is Phase.BW)

@@ -37,9 +37,10 @@ DEFAULT_SUBSET = ("accumulation", "hf-trainer")
 # runs) whether a plan is found at 60% varies from run to run on this shared machine: the same loop fits in one
 # run and ends its search without a plan in the next.
 PROFILE = os.environ.get("OPTSCHED_LOOPS_PROFILE", "cpu")
-_MSE_OUTPUT = ("after the output-usage re-plan ('gh' -> 'g-': the caller keeps no reference to .sample) the plan leaves "
-               "out the output itself, which F.mse_loss saves for its backward (measured = predicted + the output's bytes "
-               "+ 4 with measured op costs: 12,292 B at the test size, 98,308 B at the bench size)")
+_MSE_OUTPUT = ("F.mse_loss on CPU returns its 0-dim loss over a storage of its input's size, and the caller holds the "
+               "loss through loss.backward(): an output-sized block (12,288 B at the test size, 98,304 at the bench size) "
+               "lives through the whole backward, which the plan's estimate of the caller's loss (two output-sized values "
+               "at the backward's start, exact for cross-entropy) leaves out; measured = predicted + that block + 4")
 # (loop, contract) -> (the open problem that breaks it today, strict), per cost mode
 KNOWN: dict[str, dict[tuple[str, str], tuple[str, bool]]] = {
     "cpu": {

@@ -167,9 +167,9 @@ def lower_bound_peak(problem: Problem) -> int:
 def simple_peak_bound(problem: Problem) -> int:
     """The simple part of `lower_bound_peak`: inputs plus the largest of one op's operands and scratch, the
     step's outputs, the caller's loss with the tangents."""
-    from .peak_bound import _sizes, _workspaces
+    from .peak_bound import fused_sizes, fused_workspaces
 
-    size, ws = _sizes(problem), _workspaces(problem)
+    size, ws = fused_sizes(problem), fused_workspaces(problem)
     inputs = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.INPUT)
     act = lambda ids: sum(size[t] for t in set(ids) if problem.tensors[t].kind is not TensorKind.INPUT)  # noqa: E731
     best = act(problem.outputs)

@@ -10,7 +10,7 @@ could take it. It says nothing about other problems of the same program (another
 fusion groups merged into ops, chunked loss heads, other measured costs).
 
 Why it holds. Sizes first: a value made and read only inside a fusion option (`internal_tensors`) takes no
-memory when the option is formed, so it counts 0 here (`_sizes`); an op in an option counts the smaller
+memory when the option is formed, so it counts 0 here (`fused_sizes`); an op in an option counts the smaller
 of its own scratch space and the option's. Forming an option otherwise only lengthens lifetimes and
 constrains the order, so the arguments below, made without it, stay lower bounds with it.
 
@@ -73,8 +73,8 @@ def explain(problem: Problem) -> tuple[int, str]:
 class _Bound:
     def __init__(self, p: Problem):
         self.p = p
-        self.size = _sizes(p)
-        self.ws = _workspaces(p)
+        self.size = fused_sizes(p)
+        self.ws = fused_workspaces(p)
         self.readers = p.consumers()
         kinds = [t.kind for t in p.tensors]
         self.fw_made = [t.producer is not None and p.ops[t.producer].phase is Phase.FW for t in p.tensors]
@@ -312,7 +312,7 @@ class _Bound:
         return net.max_flow(SRC, SNK)
 
 
-def _sizes(p: Problem) -> list[int]:
+def fused_sizes(p: Problem) -> list[int]:
     """Bytes per tensor, 0 for a value a fusion option may keep inside its kernel."""
     size = [t.bytes for t in p.tensors]
     if p.fusion_options:
@@ -323,7 +323,7 @@ def _sizes(p: Problem) -> list[int]:
     return size
 
 
-def _workspaces(p: Problem) -> list[int]:
+def fused_workspaces(p: Problem) -> list[int]:
     """Scratch bytes per op, the smaller of its own and its fusion option's."""
     ws = [op.workspace_bytes for op in p.ops]
     for opt in p.fusion_options:

@@ -40,7 +40,7 @@ import optsched
 from benchmarks import write_result
 from benchmarks.report import adam_table
 from benchmarks.models.gpt import GPTConfig, build, make_batch
-from optsched.capture.backend import PlanningBackend
+from optsched.compiler.backend import PlanningBackend
 from optsched.measure import live_bytes, measure_peak, measure_ratio
 
 RESULTS = Path(__file__).parent / "results"

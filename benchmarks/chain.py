@@ -35,7 +35,7 @@ def capture(case: str, cache: Path | None):
     from benchmarks.models import gpt, llama
     from benchmarks.scaling_llama import MODEL
     from optsched.api import capture_problem
-    from optsched.capture.offline import plan_offline
+    from optsched.compiler.offline import plan_offline
 
     if case.startswith("llama"):
         cfg = llama.Config(**MODEL, n_layer=int(case[len("llama"):]))

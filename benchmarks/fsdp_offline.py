@@ -91,7 +91,7 @@ def block_inputs(cfg, batch: int, seq: int):
 
 
 def plan_block(cfg, batch, seq, budget, time_limit_s=None):
-    from optsched.capture.offline import plan_offline
+    from optsched.compiler.offline import plan_offline
 
     return plan_offline(lambda: OneBlock(cfg), lambda: block_inputs(cfg, batch, seq), budget, device_profile="h100",
                         time_limit_s=time_limit_s)
@@ -122,7 +122,7 @@ def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
 def run(args) -> dict:
     import optsched
     from benchmarks.models import llama
-    from optsched.capture.offline import plan_offline
+    from optsched.compiler.offline import plan_offline
     from optsched.solvers import default_schedule, simulate
     from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, heuristic_schedule,
                                       plan_digest, saved_bytes, with_schedule)

@@ -1,6 +1,6 @@
 """Planning for a GPU this machine does not have, with none of the model's memory.
 
-`optsched.capture.offline.plan_offline` builds each model and its batch as fake tensors, captures the
+`optsched.compiler.offline.plan_offline` builds each model and its batch as fake tensors, captures the
 training step with AOTAutograd (attention as the CUDA kernel an H100 is predicted to run) and
 plans it for an H100 (roofline op times). For each model:
 capture time, the unplanned step's peak, then plans at 80%, 60% and 40% of it (planning
@@ -25,7 +25,7 @@ import torch
 import optsched
 from benchmarks import write_result
 from benchmarks.models import gpt, llama
-from optsched.capture.offline import default_dtype, plan_offline
+from optsched.compiler.offline import default_dtype, plan_offline
 
 MIB, GIB = 2**20, 2**30
 RESULTS = Path(__file__).parent / "results"
@@ -84,7 +84,7 @@ def run_model(spec: dict, budgets: list[int], time_limit_s: float | None, plans_
         "graph_nodes": s["graph_nodes"], "n_ops": s["n_ops"], "n_forward_ops": s["n_forward_ops"],
         "unplanned_peak_bytes": s["unplanned_peak_bytes"], "unplanned_time_s": s["unplanned_time_s"],
         "lower_bound_bytes": s["lower_bound_bytes"],
-        # the attention kernels captured: the ones predicted for the H100 (optsched.capture.sdpa_prediction.predict_sdpa_backend)
+        # the attention kernels captured: the ones predicted for the H100 (optsched.costs.sdpa_prediction.predict_sdpa_backend)
         "attention_ops": sorted({sig[1] for sig in unplanned.fingerprint["nodes"] if "scaled_dot_product" in sig[1]}),
         "budgets": [],
     }

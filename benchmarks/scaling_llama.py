@@ -3,7 +3,7 @@
 LitGPT-style LLaMA (benchmarks/models/llama.py) with Llama-7B's layer: width 4096, 32 heads, SwiGLU
 11008, vocabulary 32000, bf16 parameters; batch 4 x sequence 4096 (16k tokens, so activations outweigh
 parameters and gradients and a budget below the unplanned peak has room to act). Each depth is
-captured and planned with ``optsched.capture.offline.plan_offline`` for the h100 profile (roofline
+captured and planned with ``optsched.compiler.offline.plan_offline`` for the h100 profile (roofline
 times, offloads allowed as on a GPU) at 60% and 40% of its unplanned peak, nothing allocated. Per plan:
 plan seconds, ops, status, gap, predicted peak / unplanned, the lower bound, or the
 ``BudgetInfeasibleError`` figures.
@@ -51,7 +51,7 @@ def plan_child(layers: int, fraction: float, batch: int, seq: int, time_limit_s:
 
     import optsched
     from benchmarks.models import llama
-    from optsched.capture.offline import plan_offline
+    from optsched.compiler.offline import plan_offline
 
     cfg = llama.Config(**MODEL, n_layer=layers)
     timings: dict = {}

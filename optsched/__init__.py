@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .budget import parse_budget
     from .capture.errors import CaptureError
     from .costs.profiles import PROFILES, DeviceProfile
-    from .capture.offline import plan_offline
+    from .compiler.offline import plan_offline
     from .capture.output_usage import OutputUsageWarning
     from .plans.plan import SUMMARY_KEYS, Plan
     from .plans.file_format import PlanCacheWarning, PlanFile, PlanFileError, PlanFileWarning, PlanMismatchError, load_plan
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _LAZY = {
     "optimize": "api",
-    "plan_offline": "capture.offline",
+    "plan_offline": "compiler.offline",
     "parse_budget": "budget",
     "CaptureError": "capture.errors",
     "PROFILES": "costs.profiles",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
-from .capture.backend import PlanningBackend
+from .compiler.backend import PlanningBackend
 from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_options
 from .capture.errors import capturing
 from .lower.offload_runtime import OffloadDeviceError

@@ -15,7 +15,7 @@ intermediates are never materialized), a win in nearly every plan, and merging t
 problem every solver sees. Horizontal groups trade memory for time (their members' outputs live
 together), which only the solver, knowing the budget and the order, can judge: they are options.
 
-The compile hooks (`capture.backend.PlanningBackend`, `capture.offline.OfflineBackend`) make one
+The compile hooks (`compiler.backend.PlanningBackend`, `compiler.offline.OfflineBackend`) make one
 `Planner` per compiled program, for its `Target` (device, timing, profile, offloads, executor), and
 call `Planner.plan` from AOTAutograd's hooks; lowering the plan is theirs.
 """

@@ -27,7 +27,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import optsched
-from optsched.capture.backend import PlanningBackend
+from optsched.compiler.backend import PlanningBackend
 from optsched.passes.inplace import fold_copy_back
 from optsched.passes.restore_ops import restore_fused_pointwise
 from optsched.passes.scalar_batching import batch_scalar_foreach, batch_scalar_ops

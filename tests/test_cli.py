@@ -450,7 +450,7 @@ def test_dataclass_kwargs_become_the_config():
 
 
 def test_plan_end_to_end_writes_a_plan_file_for_the_graph_optimize_captures(plans, tmp_path):
-    import optsched.capture.offline  # noqa: F401 - `optsched plan` needs it: a failure to import is a bug, and fails here
+    import optsched.compiler.offline  # noqa: F401 - `optsched plan` needs it: a failure to import is a bug, and fails here
 
     out_path = tmp_path / "offline.json"
     out = _run("plan", "benchmarks.models.gpt:build", "--kwargs", '{"cfg": {"n_layer": 2}}',

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import optsched
 from optsched.capture.joint_graph import build_joint_graph
-from optsched.capture.offline import plan_offline
+from optsched.compiler.offline import plan_offline
 from optsched.costs.cuda_allocator import (
     AllocatorConfig, allocated_bytes, cublas_workspace_bytes, cublaslt_workspace_bytes, round_size,
 )

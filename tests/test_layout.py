@@ -147,3 +147,22 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {name for name, path in modules(ROOTS).items() if path.name == "__init__.py"}
     assert found <= listed, sorted(found - listed)
+
+
+def test_capture_imports_only_itself_and_the_solvers_data_types():
+    """capture/ holds the graph types the layers below the compile hooks read: an import of anything
+    above (planner, lowering, plans, the hooks) would run an arrow back up."""
+    graph = import_graph(ROOTS)
+    up = [f"{a} imports {b}" for a, b in graph.edges()
+          if a.startswith("optsched.capture") and not b.startswith(("optsched.capture", "optsched.solvers"))]
+    assert not up, "\n".join(up)
+
+
+def test_nothing_below_the_compile_hooks_imports_them():
+    """optsched.compiler (the torch.compile backend, the offline capture) is the top driver: only the public
+    entry points (api, cli, the package's lazy exports, distributed) may import it."""
+    graph = import_graph(ROOTS)
+    top = ("optsched.compiler", "optsched.api", "optsched.cli", "optsched.distributed")
+    up = [f"{a} imports {b}" for a, b in graph.edges()
+          if b.startswith("optsched.compiler") and a != "optsched" and not a.startswith(top)]
+    assert not up, "\n".join(up)

@@ -18,8 +18,8 @@ from benchmarks.models import gpt, llama
 from optsched.costs.profiles import get_profile
 from optsched.capture.fingerprint import fingerprint
 from optsched.measure import measure_peak
-from optsched.capture.offline import default_dtype, plan_offline
-from optsched.capture.sdpa_prediction import _cuda_sdpa, predict_sdpa_backend
+from optsched.compiler.offline import default_dtype, plan_offline
+from optsched.costs.sdpa_prediction import _cuda_sdpa, predict_sdpa_backend
 from tests import models
 
 TINY = llama.Config.from_name("tiny-llama")  # 2 layers, n_embd 128, grouped-query attention, bf16
@@ -299,7 +299,7 @@ def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the machine the H100 plan is made for")
 def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
     """Issue 6's hand-over: plan on a CPU for H100, load the file on the GPU. The GPU's SDPA choice
-    is a prediction (optsched.capture.sdpa_prediction.predict_sdpa_backend); a wrong one fails here by naming the
+    is a prediction (optsched.costs.sdpa_prediction.predict_sdpa_backend); a wrong one fails here by naming the
     attention node."""
     path = tmp_path / "h100.json"
     # activations well above the step's two 32 MiB cuBLAS workspaces, so that 70% of the peak is a budget
@@ -334,11 +334,11 @@ def test_forward_only_when_nothing_requires_grad():
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["training", "forward-only"])
 def test_aotautograd_finishes_through_the_offline_hooks_and_nothing_is_lowered(monkeypatch, frozen):
-    """OfflineBackend has PlanningBackend's compile hooks (capture.backend.CompileHooks): AOTAutograd
+    """OfflineBackend has PlanningBackend's compile hooks (compiler.backend.CompileHooks): AOTAutograd
     returns normally through them (no exception stops it), nothing is lowered, and what it compiled
     refuses to run."""
-    import optsched.capture.backend as backend
-    import optsched.capture.offline as offline
+    import optsched.compiler.backend as backend
+    import optsched.compiler.offline as offline
 
     hooks = ("partition", "compile_forward", "compile_backward", "compile_inference")
     for cls in (backend.PlanningBackend, offline.OfflineBackend):

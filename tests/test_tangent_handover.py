@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import optsched
-import optsched.capture.backend as backend_module
+import optsched.compiler.backend as backend_module
 from optsched.capture.tangent_handover import TangentHandover
 from optsched.costs.measure import measure_training_step
 from optsched.solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind, default_schedule

@@ -5,7 +5,7 @@
     optsched diff a.json b.json
     optsched timeline plan.json -o timeline.png
 
-`plan` builds the model and its inputs as fake tensors (`optsched.capture.offline.plan_offline`), so
+`plan` builds the model and its inputs as fake tensors (`optsched.compiler.offline.plan_offline`), so
 it plans for a device this machine does not have without allocating the model. The other
 commands only read plan files (`optsched.load_plan`); an unreadable, corrupted or edited file
 is one line on stderr and exit code 2.
@@ -20,7 +20,7 @@ command lives in a module of its own:
 
 Only `plan` imports torch, and only when it runs: `--help`, `show`, `diff` and `timeline`
 start in a fraction of a second. Keep it that way (tests/test_cli.py checks it): import
-torch, `optsched.api`, `optsched.capture.offline` and the like inside the functions that need them.
+torch, `optsched.api`, `optsched.compiler.offline` and the like inside the functions that need them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`optsched plan`: import a model factory, build the model and its inputs as fake tensors and
-plan one training step for a device profile (`optsched.capture.offline.plan_offline`).
+plan one training step for a device profile (`optsched.compiler.offline.plan_offline`).
 
 The only command that imports torch, and only when it runs: this module imports without it.
 """
@@ -127,7 +127,7 @@ def cmd_plan(args, parser) -> int:
     unwritable = check_writable(args.output)  # before importing torch, capturing and solving, not after
     if unwritable is not None:
         raise CliError(f"cannot write the plan to {args.output}: {unwritable}", 2)
-    from ..capture.offline import plan_offline
+    from ..compiler.offline import plan_offline
     from ..solvers import BudgetInfeasibleError
 
     factory = load_factory(args.target, traceback=args.traceback)

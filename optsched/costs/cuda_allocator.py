@@ -45,7 +45,7 @@ Allocations no graph shows (aten/src/ATen/cuda/CublasHandlePool.cpp):
   preferred BLAS library is cuBLASLt (TORCH_BLAS_PREFER_CUBLASLT=1, torch.backends.cuda.preferred_blas_library).
 * RNG: none. The CUDA generator's philox seed and offset live on the host; only CUDA-graph capture
   (`CUDAGeneratorState::register_graph`) allocates device copies, and optsched captures none. The
-  attention kernels' seed/offset outputs are values of the graph (see `capture/sdpa_prediction`).
+  attention kernels' seed/offset outputs are values of the graph (see `costs/sdpa_prediction`).
 """
 
 from __future__ import annotations

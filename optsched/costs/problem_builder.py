@@ -15,7 +15,7 @@ from .cuda_allocator import (
 from .profiles import DeviceProfile, NodeCosts, compute_capability, node_flops, node_time
 from ..lower.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph, Storage
-from ..capture.sdpa_prediction import host_outputs
+from .sdpa_prediction import host_outputs
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..capture.output_usage import OutputUsage, tangent_outputs
 from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind

@@ -61,7 +61,7 @@ PROFILES: dict[str, DeviceProfile] = {
 
 COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
 """The compute capability of the GPU each CUDA profile names: what SDPA's kernel choice
-(capture/sdpa_prediction.py) and the cuBLAS workspace size (costs/cuda_allocator.py) depend on. A CUDA
+(costs/sdpa_prediction.py) and the cuBLAS workspace size (costs/cuda_allocator.py) depend on. A CUDA
 profile missing here is treated as an sm80 part."""
 
 

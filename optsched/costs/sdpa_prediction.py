@@ -14,7 +14,7 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..costs.profiles import DeviceProfile, compute_capability
+from .profiles import DeviceProfile, compute_capability
 
 __all__ = ["CudaAttention", "host_outputs", "predict_sdpa_backend"]
 

@@ -41,10 +41,10 @@ from .backend import PlanningBackend, aot_hooks
 from ..budget import parse_planning_options
 from ..costs.profiles import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from ..executors import NAMES as EXECUTORS
-from .joint_graph import build_joint_graph
+from ..capture.joint_graph import build_joint_graph
 from ..passes.identity_clones import drop_identity_clones
 from ..plans.plan import Plan
-from .sdpa_prediction import CudaAttention
+from ..costs.sdpa_prediction import CudaAttention
 
 __all__ = ["OfflineBackend", "capture_offline", "default_dtype", "plan_offline"]
 
@@ -145,14 +145,14 @@ class OfflineBackend(PlanningBackend):
         self.timings: dict[str, float] = {}
 
     def __call__(self, gm, example_inputs):  # pragma: no cover - not a torch.compile backend
-        raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.capture.offline.plan_offline")
+        raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.compiler.offline.plan_offline")
 
     def _costs(self, gm: fx.GraphModule, jg) -> NodeCosts | None:
         """Roofline times (as `build_problem` makes them without measurements), except for the CPU
         attention kernels a cpu-profile capture contains: torch's FLOP registry has no formula for
         them, so the roofline would count only their bytes. They get the formula of the CUDA flash
         kernel (same operands). A CUDA-profile capture holds the CUDA kernels themselves (see
-        `capture/sdpa_prediction.CudaAttention`), costed by their own formulas; nothing is overridden then."""
+        `costs/sdpa_prediction.CudaAttention`), costed by their own formulas; nothing is overridden then."""
         times = {}
         for node in jg.compute:
             stands_for = _CPU_ATTENTION.get(getattr(getattr(node.target, "overloadpacket", None), "__name__", ""))
@@ -160,7 +160,7 @@ class OfflineBackend(PlanningBackend):
                 times[node.name] = _attention_time(node, stands_for, self.target.profile)
         return NodeCosts(times, {}, {}) if times else None
 
-    # ---- the compile hooks (capture.backend.CompileHooks). The plan is made in `partition` (training)
+    # ---- the compile hooks (compiler.backend.CompileHooks). The plan is made in `partition` (training)
     # or `compile_inference` (forward only), as PlanningBackend makes it; nothing is lowered. AOTAutograd
     # then finishes its compile as usual: `partition` returns torch's default split of the joint graph,
     # and every compiler returns `_not_lowered`, which nobody calls (capture_offline drops what
@@ -351,7 +351,7 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
                 f"{e}: converting a module's parameters (Module.to(dtype), .half(), .bfloat16(), ...) fails "
                 "under FakeTensorMode (torch.utils.swap_tensors refuses fake parameters, which the fake mode "
                 "holds weak references to). Build the module in its dtype instead: pass dtype= to its layers, "
-                "or wrap the construction in optsched.capture.offline.default_dtype(torch.bfloat16)"
+                "or wrap the construction in optsched.compiler.offline.default_dtype(torch.bfloat16)"
             ) from e
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"model_factory must return an nn.Module, got {type(module).__name__}")

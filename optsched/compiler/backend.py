@@ -25,10 +25,10 @@ from ..planner import CostCache, Planner, Target
 from ..plans.file_format import PlanFile
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
-from .errors import check_static_sizes
-from .joint_graph import build_joint_graph
-from .output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
-from .tangent_handover import TangentHandover, can_hand_over
+from ..capture.errors import check_static_sizes
+from ..capture.joint_graph import build_joint_graph
+from ..capture.output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
+from ..capture.tangent_handover import TangentHandover, can_hand_over
 
 
 def _scalar_outputs(jg) -> list[bool]:
@@ -52,7 +52,7 @@ class CompileHooks(Protocol):
     and returns what runs. `aot_hooks` passes them to `aot_autograd` / `aot_module_simplified`.
 
     `PlanningBackend` plans in `partition` and `compile_inference` and returns the planned programs;
-    `capture.offline.OfflineBackend` plans there too and returns programs that only refuse to run."""
+    `compiler.offline.OfflineBackend` plans there too and returns programs that only refuse to run."""
 
     def partition(
         self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs

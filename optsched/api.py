@@ -23,6 +23,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from .compiler.backend import PlanningBackend
 from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_options
+from .attribute_sync import AttributeSync
 from .capture.errors import capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
@@ -128,6 +129,7 @@ class Dispatcher:
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.usage: dict[Hashable, OutputUsage] = {}  # per signature: what a backward saw the caller do
         self.cost_cache = CostCache()  # op costs measured per graph: a re-plan for another usage measures nothing
+        self.sync: Callable[[], None] | None = None  # plain attributes and mode shared with the original (attribute_sync)
         self.carried_json = carried
         self.carried: dict[str, list[PlanFile]] = {}
         for text in carried:
@@ -151,6 +153,8 @@ class Dispatcher:
         return base, self.usage.get(_usage_key(base))
 
     def __call__(self, *args, **kwargs):
+        if self.sync is not None:  # what the caller set on the original module since the last call, and back
+            self.sync()
         if self.resolution.needs_device:  # mem_budget="auto": the device's memory at the first call fixes the bytes
             self.resolution.resolve_auto(self.module, args, kwargs)
         key = self.key(args, kwargs)
@@ -479,7 +483,7 @@ def optimize(
     if isinstance(fn_or_module, torch.nn.Module):
         _refuse_fsdp(fn_or_module)
         target = _shallow_copy(fn_or_module)  # shares parameters, buffers and submodules
-        _install(target, settings, BudgetResolution(budget))
+        _install(target, settings, BudgetResolution(budget)).sync = AttributeSync(target, fn_or_module)
     else:
         target = OptimizedFunction(fn_or_module, Dispatcher(settings, BudgetResolution(budget), fn=fn_or_module))
 
@@ -536,7 +540,7 @@ def optimize_like(fn_or_module: Callable | torch.nn.Module, spec: _CopySpec, exa
     if isinstance(fn_or_module, torch.nn.Module):
         _refuse_fsdp(fn_or_module)
         target = _shallow_copy(fn_or_module)
-        _install(target, spec.settings, spec.resolution.copy(), spec.carried)
+        _install(target, spec.settings, spec.resolution.copy(), spec.carried).sync = AttributeSync(target, fn_or_module)
     else:
         target = OptimizedFunction(fn_or_module, Dispatcher(spec.settings, spec.resolution.copy(), spec.carried, fn=fn_or_module))
     if example_inputs is not None:

@@ -89,3 +89,15 @@ def test_optimizing_an_optimized_module_warns_and_plans_with_the_new_settings():
     outer(x).sum().backward()
     assert outer.plan.budget_spec == "1GB"
     assert outer[0].weight is model[0].weight and model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("budget", [1000, "0.5%"])
+def test_a_budget_below_the_proven_bound_is_infeasible_not_a_time_limit(budget):
+    """Issue 26: 1000 bytes or "0.5%" came back after the whole time limit as PlanningTimeLimitError ("a larger
+    time_limit_s may find one") although proven: the error says none can, and the search does not wait for it."""
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
+    om = optsched.optimize(m, budget, time_limit_s=30, device_profile="cpu", deterministic=True)
+    with pytest.raises(optsched.BudgetInfeasibleError) as e:
+        om(torch.randn(32, 64)).sum().backward()
+    assert e.value.proven and not isinstance(e.value, optsched.PlanningTimeLimitError)
+    assert "none can" in str(e.value)

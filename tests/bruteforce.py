@@ -289,19 +289,17 @@ def _surely_held(problem: Problem, bw_order: list[int]):
     return held, freed
 
 
-def topological_fw_orders(problem: Problem, limit: int = 200) -> list[list[int]]:
-    """Up to `limit` topological orders of the forward (program order first)."""
-    fw = [o.id for o in problem.fw_ops]
-    deps = {
-        o: {problem.tensors[t].producer for t in problem.ops[o].inputs} & set(fw) for o in fw
-    }
-    out: list[list[int]] = [fw]
+def topological_orders(problem: Problem, ids: list[int], limit: int, first: list[int] | None = None) -> list[list[int]]:
+    """Up to `limit` orders of the ops `ids` that respect their dependencies among themselves; `first`
+    (one of them, e.g. the program order) leads the list."""
+    deps = {o: {problem.tensors[t].producer for t in problem.ops[o].inputs} & set(ids) for o in ids}
+    out: list[list[int]] = [first] if first is not None else []
 
     def rec(order: list[int], left: set[int]) -> None:
         if len(out) >= limit:
             return
         if not left:
-            if order != fw:
+            if order != first:
                 out.append(list(order))
             return
         for o in sorted(left):
@@ -312,8 +310,14 @@ def topological_fw_orders(problem: Problem, limit: int = 200) -> list[list[int]]
                 if len(out) >= limit:
                     return
 
-    rec([], set(fw))
+    rec([], set(ids))
     return out
+
+
+def topological_fw_orders(problem: Problem, limit: int = 200) -> list[list[int]]:
+    """Up to `limit` topological orders of the forward (program order first)."""
+    fw = [o.id for o in problem.fw_ops]
+    return topological_orders(problem, fw, limit, first=fw)
 
 
 # ---------------------------------------------------------------------------------------------

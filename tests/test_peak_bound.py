@@ -23,32 +23,10 @@ from optsched.solvers.search.offload import add_offloads
 from optsched.solvers.search.peak_bound import explain, step_bound
 from optsched.solvers.synthetic import chain_training_problem
 from tests.test_fuzz import training_problems as offload_problems
-from tests.bruteforce import describe, enumerate_plans, min_peak, topological_fw_orders, training_problems
+from tests.bruteforce import describe, enumerate_plans, min_peak, topological_fw_orders, topological_orders, training_problems
 
 FIXED = settings(max_examples=150, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-
-
-def _bw_orders(problem: Problem, limit: int) -> list[list[int]]:
-    """Up to `limit` topological orders of the backward ops."""
-    bw = [o.id for o in problem.bw_ops]
-    deps = {o: {problem.tensors[t].producer for t in problem.ops[o].inputs} & set(bw) for o in bw}
-    out: list[list[int]] = []
-
-    def rec(order: list[int], left: set[int]) -> None:
-        if len(out) >= limit:
-            return
-        if not left:
-            out.append(list(order))
-            return
-        for o in sorted(left):
-            if deps[o] <= set(order):
-                order.append(o)
-                rec(order, left - {o})
-                order.pop()
-
-    rec([], set(bw))
-    return out
 
 
 def _freed_seed(problem: Problem) -> Problem:
@@ -65,7 +43,7 @@ def test_bound_below_brute_force_minimum(problem, freed):
     bound = lower_bound_peak(problem)
     assert bound >= simple_peak_bound(problem)
     lowest = min(min_peak(enumerate_plans(problem, fo, bo, check=False))
-                 for fo in topological_fw_orders(problem, limit=6) for bo in _bw_orders(problem, 6))
+                 for fo in topological_fw_orders(problem, limit=6) for bo in topological_orders(problem, [o.id for o in problem.bw_ops], 6))
     assert bound <= lowest, f"bound {bound} ({explain(problem)[1]}) above a plan's peak {lowest}:\n{describe(problem)}"
 
 

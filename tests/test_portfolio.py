@@ -182,3 +182,33 @@ def test_a_hint_that_is_not_a_plan_of_the_problem_is_dropped():
     sol = solve(p, None, time_limit_s=1.0, deterministic=True, hint=default_schedule(q))
     assert any("hint is not a plan" in n for n in sol.stats.notes), sol.stats.notes
     assert isinstance(sol.schedule, Schedule)
+
+
+def _inplace_chain() -> Problem:
+    """The fuzz case (test_bounds) that fits only by recomputing f2: its output would otherwise be kept
+    alive, so the in-place f3 cannot take its storage. The interval model, counting memory without in-place
+    reuse, calls every plan over 576 bytes; the simulator-exact swap search finds the one that fits."""
+    A, TG = TensorKind.ACTIVATION, TensorKind.TANGENT
+    sizes = [64, 64, 64, 64, 128, 128, 128, 64, 64, 64, 4, 4, 64, 4, 4, 64, 64, 64, 64, 64, 64, 64]
+    kinds = {0: TensorKind.INPUT, 11: TG, 12: TensorKind.CALLER}
+    fw = [((0,), (1,), ((1, 0),)), ((1,), (2, 3), ((2, 1),)), ((3,), (4,), ()), ((4,), (5,), ((5, 4),)),
+          ((5, 0), (6, 7), ((6, 5),)), ((7,), (8, 9), ((8, 7),)), ((9,), (10,), ())]
+    bw = [((11,), (13,), ((13, 11),)), ((13, 11), (14,), ((14, 13),)), ((14, 5, 6), (15, 16), ()),
+          ((15, 4), (17,), ((17, 15),)), ((17, 11), (18,), ((18, 17),)), ((18, 11), (19,), ((19, 18),)),
+          ((19,), (20, 21), ((20, 19),))]
+    ops = [Op(i, f"f{i}", Phase.FW, ins, outs, 1e-6, recomputable=i in (2, 3), reuse=reuse)
+           for i, (ins, outs, reuse) in enumerate(fw)]
+    ops += [Op(len(fw) + j, f"b{j}", Phase.BW, ins, outs, 1e-6, recomputable=True, reuse=reuse)
+            for j, (ins, outs, reuse) in enumerate(bw)]
+    producer = {t: o.id for o in ops for t in o.outputs}
+    tensors = [Tensor(t, f"t{t}", b, kinds.get(t, A), producer.get(t)) for t, b in enumerate(sizes)]
+    return Problem(ops, tensors, outputs=frozenset({10, 16, 20, 21}), returned=frozenset({1}))
+
+
+def test_a_plan_that_fits_only_through_in_place_reuse_is_found():
+    p = _inplace_chain()
+    budget = 576
+    assert simulate(p, default_schedule(p)).peak_bytes > budget
+    sol = solve(p, budget, time_limit_s=0.5, workers=2, deterministic=True)
+    assert sol.sim.peak_bytes <= budget
+    assert simulate(p, sol.schedule).peak_bytes == sol.sim.peak_bytes

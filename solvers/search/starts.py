@@ -25,6 +25,7 @@ from .reorder import base_orders, refine_order
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop a model once its plan is provably within 0.2% of the step time
+SWAP_MIN_S = 0.1  # the exact swap search's least time when nothing fits (small graphs: a few simulations)
 
 
 def forward_order(problem: Problem, inc: Incumbent, time_limit_s: float, workers: int,
@@ -67,6 +68,44 @@ def interval_model(problem: Problem, inc: Incumbent, time_limit_s: float, worker
         remat_candidates(problem, inc, fw, bw, 0.7 * time_limit_s / len(orders), workers, label)
     if not inc.found:  # over budget in every fixed order: start reordering from the lowest peak instead
         min_peak(problem, inc, program, bw, deadline - clock.now(), workers, "program order")
+    if not inc.found:
+        swap_recomputes(problem, inc, max(deadline, clock.now() + SWAP_MIN_S))
+
+
+def swap_recomputes(problem: Problem, inc: Incumbent, deadline: float) -> None:
+    """From the lowest plan, in its order: add, drop or swap one recomputation while the simulated peak falls.
+
+    The interval model counts memory conservatively (no in-place reuse), so it can miss a plan that fits
+    by a few bytes: e.g. recomputing an op whose output an in-place op would otherwise have to keep. The
+    simulator judges each neighbour here, exactly."""
+    low = inc.lowest
+    fw, bw = base_orders(problem, low.schedule)
+    chosen = frozenset(low.sim.recomputed_ops)
+    candidates = sorted(set(recompute_candidates(problem)))
+    while not inc.found and clock.now() < deadline:
+        peak = inc.lowest.sim.peak_bytes
+        moved = False
+        for nxt in _one_change_away(chosen, candidates):
+            if clock.now() >= deadline:
+                return
+            cand = inc.offer(place_recomputes(problem, fw, bw, set(nxt)), "recomputations swapped on the simulator")
+            if cand is not None and cand.sim.peak_bytes < peak:
+                chosen, moved = nxt, True
+                break
+        if not moved:
+            return
+
+
+def _one_change_away(chosen: frozenset[int], candidates: list[int]):
+    """The recompute sets one addition, one removal or one swap from `chosen`, fewest changes first."""
+    outside = [c for c in candidates if c not in chosen]
+    for c in outside:
+        yield chosen | {c}
+    for r in sorted(chosen):
+        yield chosen - {r}
+    for r in sorted(chosen):
+        for c in outside:
+            yield (chosen - {r}) | {c}
 
 
 def reorder_and_redecide(problem: Problem, inc: Incumbent, deadline: float, workers: int) -> None:

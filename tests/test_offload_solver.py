@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from optsched.solvers import BudgetInfeasibleError, Schedule, default_schedule, simulate, solve
 from optsched.solvers.cpsat.bound import solve_bound_and_repair
-from optsched.solvers.search.offload import add_offloads, offload_all, prefetch_position
+from optsched.solvers.search.offload import add_offloads, offload_all, offload_towards, prefetch_position
 from optsched.solvers.synthetic import chain_training_problem
 from tests.test_solvers import FUZZ, TIME_LIMIT_S, known_plans, training_problems
 
@@ -43,6 +43,22 @@ def test_solve_with_offload_never_exceeds_either_budget(problem, frac, bw, host_
         assert e.lowest_peak_bytes > budget
         return
     _check_plan(problem, sol, budget)
+
+
+@FUZZ
+@given(training_problems(), st.floats(0.0, 1.0), st.sampled_from(BANDWIDTHS))
+def test_offloading_toward_an_unreachable_budget_keeps_the_lowest_plan_it_passed(problem, frac, bw):
+    """An error's "lowest peak found" with offload allowed: offloading toward a budget it cannot reach gives
+    a plan at least as low as the plan it gives for any budget it does reach (the same greedy path, cut
+    later), and what it says it reached is what the plan replays to."""
+    problem = dataclasses.replace(problem, host_bw=bw)
+    start = default_schedule(problem)
+    base = simulate(problem, start).peak_bytes
+    low_plan, low_sim = offload_towards(problem, start, 0)
+    assert simulate(problem, low_plan).peak_bytes == low_sim.peak_bytes <= base
+    reached = add_offloads(problem, start, int(frac * base))
+    if reached is not None:
+        assert low_sim.peak_bytes <= simulate(problem, reached).peak_bytes
 
 
 @FUZZ

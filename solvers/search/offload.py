@@ -61,14 +61,24 @@ def _offloadable_at_peak(problem: Problem, sim: SimResult, host_left: int) -> li
 
 def add_offloads(problem: Problem, schedule: Schedule, budget: int, deadline: float | None = None) -> Schedule | None:
     """Offload saved activations of `schedule` until its simulated peak fits `budget` (None if it cannot)."""
-    if problem.host_bw <= 0:
-        return None
+    sched, sim = offload_towards(problem, schedule, budget, deadline)
+    return _drop_needless(problem, sched, sim, budget) if sim.peak_bytes <= budget else None
+
+
+def offload_towards(problem: Problem, schedule: Schedule, budget: int,
+                    deadline: float | None = None) -> tuple[Schedule, SimResult]:
+    """Offload saved activations live at the peak, least exposed copy time per byte freed first, until the
+    peak fits `budget`; the plan reached and its simulation (over budget when no offload lowers it further,
+    the deadline passed or the host is full: then the lowest peak it passed through)."""
     sched = schedule
     sim = simulate(problem, sched)
+    if problem.host_bw <= 0:
+        return sched, sim
     host_cap = problem.host_budget_bytes if problem.host_budget_bytes is not None else float("inf")
+    lowest = (sched, sim)
     while sim.peak_bytes > budget:
         if deadline is not None and clock.now() > deadline:
-            return None
+            break
         best = None  # (key, schedule, sim)
         for t in _offloadable_at_peak(problem, sim, host_cap - sim.host_bytes)[:CANDIDATES_PER_ROUND]:
             for lead in LEADS:
@@ -82,9 +92,11 @@ def add_offloads(problem: Problem, schedule: Schedule, budget: int, deadline: fl
                 if best is None or key < best[0]:
                     best = (key, trial, tsim)
         if best is None:
-            return None
+            return lowest
         _key, sched, sim = best
-    return _drop_needless(problem, sched, sim, budget)
+        if (sim.peak_bytes, sim.time_s) < (lowest[1].peak_bytes, lowest[1].time_s):
+            lowest = (sched, sim)
+    return (sched, sim) if sim.peak_bytes <= budget else lowest
 
 
 def _drop_needless(problem: Problem, sched: Schedule, sim: SimResult, budget: int) -> Schedule:
@@ -110,7 +122,8 @@ def mix_offload_and_recompute(
 
     `bw_order` lists backward ops only. One plan per rung of LADDER that fits, and one
     that offloads on top of `lowest` (the lowest-peak recompute set known), for budgets
-    recomputation alone cannot reach.
+    recomputation alone cannot reach. When none fits, the lowest-peak plan offloading reached
+    instead (over budget: a start for the segment search, and the lowest peak an error reports).
     """
     if problem.host_bw <= 0:
         return []
@@ -118,7 +131,18 @@ def mix_offload_and_recompute(
     if top <= budget:
         return []  # nothing to decide: the plan without recomputation fits
     out: list[Schedule] = []
+    closest: tuple[int, float, Schedule] | None = None  # (peak, time, plan) of the lowest plan over budget
     tried: set[frozenset[int]] = set()
+
+    def offload_on(kept: set[int]) -> None:
+        nonlocal closest
+        tried.add(frozenset(kept))
+        sched, sim = offload_towards(problem, place_recomputes(problem, fw_order, bw_order, kept), budget, deadline)
+        if sim.peak_bytes <= budget:
+            out.append(_drop_needless(problem, sched, sim, budget))
+        elif closest is None or (sim.peak_bytes, sim.time_s) < closest[:2]:
+            closest = (sim.peak_bytes, sim.time_s, sched)
+
     for share in LADDER:
         if deadline is not None and clock.now() > deadline:
             break
@@ -127,16 +151,12 @@ def mix_offload_and_recompute(
         if simulate(problem, start).peak_bytes > rung:
             continue
         kept = prune_recomputes(problem, rung, fw_order, bw_order, set(start.recomputed(problem)), deadline=deadline)
-        if frozenset(kept) in tried:
-            continue
-        tried.add(frozenset(kept))
-        plan = add_offloads(problem, place_recomputes(problem, fw_order, bw_order, kept), budget, deadline)
-        if plan is not None:
-            out.append(plan)
+        if frozenset(kept) not in tried:
+            offload_on(kept)
     if not out and lowest is not None and frozenset(lowest) not in tried:
-        plan = add_offloads(problem, place_recomputes(problem, fw_order, bw_order, lowest), budget, deadline)
-        if plan is not None:
-            out.append(plan)
+        offload_on(set(lowest))
+    if not out and closest is not None:
+        out.append(closest[2])
     return out
 
 

@@ -18,8 +18,8 @@ Lowest feasible (``lowest_feasible``), plans only (no step run) until the end:
      best so far; the highest budget declared infeasible is the floor; the lowest reported lower
      bound caps how low a probe goes;
   2. if a ``BudgetInfeasibleError`` reported a lowest peak L below the best so far (and more than 0.2%
-     of eager's peak above the floor), the next probe is a budget of exactly L (the planner said it
-     found a plan of peak L; does it find it when asked for it?);
+     of eager's peak above the floor), the next probe is a budget of exactly L, passing that error back
+     (``optimize(..., start_from=error)``, as its message says): the plan it found is the start;
   3. otherwise bisection: the next budget is halfway between max(floor, bound) and the best so far
      (or eager's peak when nothing fit yet); a probe that fits lowers the best to its predicted
      peak, one that does not raises the floor (and its L, if lower than the best, is tried next);
@@ -99,15 +99,24 @@ def _plan_fields(plan) -> dict:
     }
 
 
+# the errors of this process's probes by (module, offload, lowest peak): a probe at an error's lowest peak passes
+# the error back (optimize's start_from), as a user would; nothing else is carried between probes
+_ERRORS: dict[tuple[int, bool, int], optsched.BudgetInfeasibleError] = {}
+
+
 def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed: int = 0):
     """optimize() and its first call (which plans), then that step's backward. Returns (opt, row); opt is None
-    when no plan was made (``row['infeasible']`` or ``row['error']``)."""
+    when no plan was made (``row['infeasible']`` or ``row['error']``). A budget that is an earlier error's
+    lowest peak starts from that error's plan (``row['start_from']``)."""
     zoo = _zoo()
     row: dict = {"budget_bytes": budget, "offload": offload}
+    start_from = _ERRORS.get((id(step.module), offload, budget))
+    if start_from is not None:
+        row["start_from"] = True
     stage = "optimize"
     t0 = time.perf_counter()
     try:
-        opt = optsched.optimize(step.module, budget, offload=offload, time_limit_s=time_limit_s)
+        opt = optsched.optimize(step.module, budget, offload=offload, time_limit_s=time_limit_s, start_from=start_from)
         call = step.call_with(opt)
         stage = "first call"
         zoo.fresh_process_logging()
@@ -121,6 +130,8 @@ def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed
         row.update(_plan_fields(opt.plan))
         return opt, row
     except optsched.BudgetInfeasibleError as e:
+        if e.lowest_schedule is not None:
+            _ERRORS[(id(step.module), offload, e.lowest_peak_bytes)] = e
         row.update({"infeasible": True, "lowest_peak_bytes": e.lowest_peak_bytes, "lower_bound_bytes": e.lower_bound_bytes,
                     "first_call_s": time.perf_counter() - t0, "message": str(e)})
     except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on

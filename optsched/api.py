@@ -393,6 +393,7 @@ def optimize(
     on_mismatch: str = "error",
     deterministic: bool | None = None,
     chunking: bool | int | str | None = None,
+    start_from: BudgetInfeasibleError | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -459,6 +460,11 @@ def optimize(
     needed). An int: that many chunks (1: as captured), not a choice. `plan.summary()["chunks"]` says
     what was chosen; the plan's notes (chunking asked for) and a BudgetInfeasibleError say what was
     tried, or why no chain was found.
+    start_from: a BudgetInfeasibleError an earlier optimize() of the same step raised: the lowest-peak plan
+    it found is where this search starts (the plan is simulated again here and dropped if it is not a
+    plan of this step). The search depends on the budget, so another budget may not find that plan by
+    itself; with `mem_budget=err.lowest_peak_bytes, start_from=err` a plan within that peak is certain.
+    Nothing else is carried between calls: the same arguments plan the same way in any process.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
     if budget.auto and not torch.cuda.is_available():
@@ -478,7 +484,7 @@ def optimize(
         raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
     settings = PlanningSettings(
         budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic,
-        chunking,
+        chunking, _start_plan(start_from),
     )
     if isinstance(fn_or_module, torch.nn.Module):
         _refuse_fsdp(fn_or_module)
@@ -490,6 +496,19 @@ def optimize(
     if example_inputs is not None:
         _plan_now(target, tuple(example_inputs))
     return target
+
+
+def _start_plan(start_from: Any):
+    """The plan `start_from` carries (optimize's argument), checked."""
+    if start_from is None:
+        return None
+    if not isinstance(start_from, BudgetInfeasibleError):
+        raise TypeError(f"start_from must be a BudgetInfeasibleError raised by an earlier optimize(), got "
+                        f"{type(start_from).__name__}")
+    if start_from.lowest_schedule is None:
+        raise ValueError("start_from: this BudgetInfeasibleError carries no plan (it came from a search that found "
+                         "none, or from the distributed planner); plan without start_from")
+    return start_from.lowest_schedule
 
 
 def _unoptimized(fn_or_module: Any) -> Any:

@@ -397,6 +397,7 @@ class Planner:
             how = self.resolution.explain(reference)  # a training program's
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
+            e.args = (e.args[0] + _start_from_note(e),)
             raise e
         k, plan, items, g, jgk = best
         plan.chunks = dict.fromkeys(names, k)
@@ -545,7 +546,8 @@ class Planner:
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
                 problem, items, budget_bytes, lambda b: solve(
-                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning)
+                    problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning,
+                    hint=self.settings.start_from)
             )
         except BudgetInfeasibleError as e:
             how = self.resolution.explain(reference, training=problem.has_backward) if explained else None
@@ -554,6 +556,7 @@ class Planner:
                         f"captured program with every activation saved at {_mib(baseline.peak_bytes)})")
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
+            e.args = (e.args[0] + _start_from_note(e),)
             raise
         finally:
             account.spent += clock.now() - start
@@ -611,6 +614,15 @@ def _mib(b: int) -> str:
     return f"{b / 2**20:.2f} MiB"
 
 
+def _start_from_note(e: BudgetInfeasibleError) -> str:
+    """How to get the lowest plan the error found: the search depends on the budget, so asking for its peak
+    alone may not find it again (optimize's `start_from`)."""
+    if e.proven or e.lowest_schedule is None:
+        return ""
+    return (f"; that plan is kept: optimize(..., mem_budget={e.lowest_peak_bytes}, start_from=<this error>) "
+            f"starts from it")
+
+
 def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfeasibleError]], names: list[str],
                         chunking, time_limit_s: float | None = None) -> BudgetInfeasibleError:
     """No chunk count tried fits: one error for all of them. Each count's bound holds for its own graph's plans
@@ -619,10 +631,11 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
     bound = min(e.lower_bound_bytes for _, e in failures)
     timed = [e for _, e in failures if isinstance(e, PlanningTimeLimitError)]
     if timed and budget_bytes >= bound:
-        e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, elapsed_s=sum(x.elapsed_s or 0 for x in timed),
+        e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule,
+                                   elapsed_s=sum(x.elapsed_s or 0 for x in timed),
                                    time_limit_s=time_limit_s or timed[0].time_limit_s)
     else:
-        e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound)
+        e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule)
     counts = [k for k, _ in failures]
     heads = ", ".join(names)
     if len(counts) == 1:

@@ -4,13 +4,14 @@ one optimized callable (and its copies) uses them."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .budget import Budget
 
 if TYPE_CHECKING:
     from .costs.profiles import DeviceProfile
+    from .solvers import Schedule
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PlanningSettings:
     on_mismatch: str = "error"
     deterministic: bool | None = None
     chunking: bool | int | str | None = None
+    start_from: Schedule | None = field(default=None, compare=False)  # offered to every solve first (a hint)
 
     @property
     def chunk_counts(self) -> tuple[int, ...]:

@@ -101,3 +101,40 @@ def test_a_budget_below_the_proven_bound_is_infeasible_not_a_time_limit(budget):
         om(torch.randn(32, 64)).sum().backward()
     assert e.value.proven and not isinstance(e.value, optsched.PlanningTimeLimitError)
     assert "none can" in str(e.value)
+
+
+def test_start_from_takes_only_an_error_that_carries_a_plan():
+    m = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="start_from must be a BudgetInfeasibleError"):
+        optsched.optimize(m, "50%", start_from="plan.json")
+    planless = optsched.BudgetInfeasibleError(1000, 2000, 500)  # as the distributed planner raises it
+    with pytest.raises(ValueError, match="carries no plan"):
+        optsched.optimize(m, "50%", start_from=planless)
+
+
+def test_start_from_an_error_gives_its_lowest_plan_at_that_peak():
+    """The error names optimize(..., start_from=) when its plan is not proven the lowest; passing it back with
+    its peak as the budget meets that peak (no earlier call leaves anything behind to do it implicitly)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                              for _ in range(4)])
+    x = torch.randn(256, 64)
+    om = optsched.optimize(m, 1000, time_limit_s=2, device_profile="cpu", deterministic=True)
+    with pytest.raises(optsched.BudgetInfeasibleError) as info:
+        om(x).sum().backward()
+    e = info.value
+    assert e.lowest_schedule is not None and e.proven and "start_from" not in str(e)  # proven: nothing to add
+    again = optsched.optimize(m, e.lowest_peak_bytes, time_limit_s=2, device_profile="cpu", deterministic=True,
+                              start_from=e)
+    again(x).sum().backward()
+    assert again.plan.sim.peak_bytes <= e.lowest_peak_bytes
+
+
+def test_an_unproven_error_says_how_to_start_from_its_plan():
+    from optsched.planner import _start_from_note
+    from optsched.solvers import Schedule
+
+    open_gap = optsched.BudgetInfeasibleError(1000, 2000, 500, Schedule([0], []))
+    assert "mem_budget=2000, start_from=<this error>" in _start_from_note(open_gap)
+    assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 1500, Schedule([0], []))) == ""  # proven
+    assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 500)) == ""  # no plan to start from

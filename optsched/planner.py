@@ -63,6 +63,7 @@ DEFAULT_S_PER_OP = 0.02
 DEFAULT_TIME_LIMIT_MAX_S = 30.0  # and at most this: repeated blocks are searched alike, so depth costs little
 DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
 CHUNK_TIE = 0.01  # more chunks are chosen only when their plan is faster by more than this share
+COUNT_MIN_SHARE = 0.1  # after the first count, counts are tried while this share of the time limit is left
 
 
 def physical_memory_bytes() -> int:
@@ -369,7 +370,11 @@ class Planner:
             tried.append((1, None, [], None, jg))
             failures.append((1, captured))
         best = None
+        untried: list[int] = []
         for i, k in enumerate(counts):
+            if i > 0 and self._time.left() < COUNT_MIN_SHARE * self._time.limit:
+                untried = list(counts[i:])  # the time limit is spent: a count's search would overrun it
+                break
             self._time.share = 1.0 / min(2, len(counts) - i)  # half of what is left; the last count all of it
             g, jgk, built_k = None, jg, built
             if k > 1:
@@ -393,7 +398,7 @@ class Planner:
             best = cand
         names = [c.name for c in chains]
         if best is None:
-            e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self._time.limit)
+            e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self._time.limit, untried)
             how = self.resolution.explain(reference)  # a training program's
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
@@ -406,7 +411,8 @@ class Planner:
         plan.stats.notes.append("chunks of " + ", ".join(names) + ": " + "; ".join(
             f"{c[0]}: " + (f"{c[1].sim.peak_bytes / mib:.2f} MiB, {c[1].sim.time_s * 1e3:.2f} ms, "
                            f"{len(c[1].sim.recomputed_ops)} recomputed" if c[1] else "does not fit")
-            for c in tried) + f"; chose {k}")
+            for c in tried) + f"; chose {k}" + (
+            f"; not tried (time limit spent): {', '.join(map(str, untried))}" if untried else ""))
         if captured is not None:
             plan.stats.notes.append(
                 f"chunking='auto': the graph as captured does not fit {budget_bytes / mib:.2f} MiB (lowest peak "
@@ -607,7 +613,10 @@ class _PlanningTime:
     def slice(self, limit: float) -> float:
         if self.limit is None:
             self.limit = limit
-        return max(0.0, self.limit - self.spent) * self.share
+        return self.left() * self.share
+
+    def left(self) -> float:
+        return max(0.0, (self.limit or 0.0) - self.spent)
 
 
 def _mib(b: int) -> str:
@@ -624,16 +633,17 @@ def _start_from_note(e: BudgetInfeasibleError) -> str:
 
 
 def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfeasibleError]], names: list[str],
-                        chunking, time_limit_s: float | None = None) -> BudgetInfeasibleError:
+                        chunking, time_limit_s: float | None = None, untried: list[int] = ()) -> BudgetInfeasibleError:
     """No chunk count tried fits: one error for all of them. Each count's bound holds for its own graph's plans
-    only, so the bound of all is the lowest of theirs, and "none can" covers the counts tried, no others."""
+    only, so the bound of all is the lowest of theirs, and "none can" covers the counts tried, no others.
+    `untried`: counts the spent time limit left out (then a larger limit may find a plan)."""
     low = min((e for _, e in failures), key=lambda e: e.lowest_peak_bytes)
     bound = min(e.lower_bound_bytes for _, e in failures)
     timed = [e for _, e in failures if isinstance(e, PlanningTimeLimitError)]
-    if timed and budget_bytes >= bound:
+    if (timed or untried) and budget_bytes >= bound:
         e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule,
-                                   elapsed_s=sum(x.elapsed_s or 0 for x in timed),
-                                   time_limit_s=time_limit_s or timed[0].time_limit_s)
+                                   elapsed_s=sum(x.elapsed_s or 0 for _, x in failures),
+                                   time_limit_s=time_limit_s or failures[0][1].time_limit_s)
     else:
         e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule)
     counts = [k for k, _ in failures]
@@ -647,9 +657,10 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
         text = (f"no plan fits {_mib(budget_bytes)}, and none can with {scope}: every such plan needs at least "
                 f"{_mib(bound)} (lowest peak found per chunk count: {per})")
     elif isinstance(e, PlanningTimeLimitError):
+        left_out = f"; counts {', '.join(map(str, untried))} not tried (the limit was spent)" if untried else ""
         text = (f"no plan fits {_mib(budget_bytes)} with {scope} within the time limit ({e.time_limit_s:g}s, shared by the counts): "
-                f"lowest peak found per chunk count: {per}; none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); "
-                "a larger time_limit_s may find one")
+                f"lowest peak found per chunk count: {per}{left_out}; none can go below {_mib(bound)} "
+                f"(gap {e.peak_gap:.1%}); a larger time_limit_s may find one")
     else:
         text = (f"no plan fits {_mib(budget_bytes)} with {scope}: none found; lowest peak found per chunk count: {per}, "
                 f"and none can go below {_mib(bound)} (gap {e.peak_gap:.1%}); the search ended before its time limit")

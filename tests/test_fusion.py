@@ -254,6 +254,24 @@ def test_inductor_kernels_are_compiled_once_per_structure_for_every_shape_their_
 
 
 
+def test_an_inductor_kernel_called_with_other_strides_than_compiled_for_gives_the_ops_result():
+    """The example inputs follow the traced values' strides, but at run time an input may be a transposed view
+    (Llama's attention under a plan with executor="inductor" failed Inductor's stride assertion): a kernel
+    for that layout is made, and the result is the ops'."""
+    from torch import fx
+
+    from optsched.executors.inductor import InductorExecutor
+
+    aten = torch.ops.aten
+    gm = fx.symbolic_trace(lambda x, y: (aten.add.Tensor(aten.mul.Tensor(x, y), x),))
+    ex = InductorExecutor()
+    kernel = ex.compile_group(gm, [torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)])
+    x = torch.randn(2, 8, 4, 16).transpose(1, 2)  # the shape compiled for, another stride order
+    y = torch.randn(2, 4, 8, 16)
+    torch.testing.assert_close(kernel(x, y)[0], x * y + x)
+    torch.testing.assert_close(kernel(x.contiguous(), y)[0], x * y + x)
+
+
 @pytest.mark.parametrize("kernel_s, kept", [(1.0, False), (1e-12, True)])
 def test_the_default_executor_keeps_only_groups_faster_than_their_ops(monkeypatch, kernel_s, kept):
     """On CUDA the default executor is Inductor (where nvFuser does not load): a group whose kernel measures no

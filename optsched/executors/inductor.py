@@ -48,6 +48,26 @@ def _layout(x: torch.Tensor) -> tuple:
     return (x.dtype, x.device.type, x.dim(), order, tuple(s == 1 for s in x.shape), x.is_contiguous())
 
 
+def _traced_kinds() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return FakeTensor, FunctionalTensor
+
+
+_TRACED = _traced_kinds()
+
+
+def _disable_current_modes():
+    from torch.utils._python_dispatch import _disable_current_modes as disable
+
+    return disable()
+
+
+def _exact_layout(xs: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) for x in xs)
+
+
 @dataclass
 class _Kernel:
     run: Callable
@@ -93,6 +113,26 @@ class InductorExecutor:
         return torch.Tag.pointwise in target.tags or name in _REDUCTIONS or name in _CASTS
 
     def compile_group(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., tuple]:
+        """The group's kernel for inputs laid out like `example_inputs`, and for others when they come: the
+        examples follow the traced values' strides, but at run time an input may be laid out otherwise (a
+        transposed view where the trace had a contiguous tensor, e.g. Llama's attention under a plan), and
+        an Inductor kernel asserts the strides it was compiled for."""
+        first = self._kernel_run(gm, example_inputs)
+        by_layout: dict[tuple, Callable[..., tuple]] = {_exact_layout(example_inputs): first}
+
+        def run(*xs: torch.Tensor) -> tuple:
+            layout = _exact_layout(xs)
+            kernel = by_layout.get(layout)
+            if kernel is None:
+                if any(isinstance(x, _TRACED) for x in xs):  # traced (functional or fake tensors): the ops
+                    return tuple(gm(*xs))
+                with _disable_current_modes():
+                    kernel = by_layout[layout] = self._kernel_run(gm, xs)
+            return kernel(*xs)
+
+        return run
+
+    def _kernel_run(self, gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable[..., tuple]:
         key = (structure_hash(gm), tuple(_layout(x) for x in example_inputs))
         kernels = self._kernels.setdefault(key, [])
         for k in kernels:

@@ -2,14 +2,15 @@
 
 Every deadline in the search reads `now()`. Normally that is `time.perf_counter()`. Inside
 `deterministic()` it is the work done so far instead: CP-SAT's deterministic time for each
-solve (a count of its operations, about a second of a modern core per unit) plus a fixed
-charge per simulated step. Then every branch the search takes depends on the problem alone,
+solve (a count of its operations, scaled by CPSAT_UNIT_S to about a wall second of the reference
+machine) plus a fixed charge per simulated step. Then every branch the search takes depends on the problem alone,
 not on the machine's speed or load, and CP-SAT itself runs single-threaded (or with
 interleaved, not raced, workers), a fixed seed and a deterministic limit
 (solvers/cpsat/common.make_solver): the same
 problem and options give the same plan on every run and on every rank of a distributed job.
-The time limit is then a limit on work, which takes about as long as the wall limit on an
-unloaded modern core and longer on a slower or busier one.
+The time limit is then a limit on work, which takes about as long as the wall limit on the idle
+reference machine (benchmarks/planning_time.py measures it), less on a faster one and longer on a
+slower or busier one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import time
 from collections.abc import Iterator
 
 SIMULATED_STEP_S = 1e-5  # work charged per step the simulator replays (about what it takes here)
+# clock seconds per unit of CP-SAT's deterministic time. Its unit is not a second here: wall / deterministic time
+# of the search's solves on the reference machine (the 2-core CI machine, idle) was 2.6 for ViT's segment models,
+# 2.3 for GPT's and 0.85 for GPT-NeoX's relaxation, so a time limit counted in raw units ran 1.7x over on ViT
+CPSAT_UNIT_S = 2.5
+CPSAT_CONSTRAINT_S = 3e-5  # charged per constraint of each CP-SAT model solved: loading and presolve, which its
+# deterministic time leaves out (fit on the same solves: about 2-4e-5 s per constraint term)
+BOUND_PER_OP2_S = 4e-6  # charged per op squared for the peak lower bound's min cuts (3-5e-6 measured)
 DETERMINISTIC_WORKERS = 1  # CP-SAT workers in deterministic mode: one (interleaved workers were 5-10x slower per solve)
 
 

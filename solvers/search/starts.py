@@ -25,6 +25,8 @@ from .reorder import base_orders, refine_order
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
 GAP_TARGET = 0.002  # stop a model once its plan is provably within 0.2% of the step time
+MODEL_MIN_S = 0.05  # the least time an interval model gets (small graphs solve in milliseconds; a start's slice
+# on a large one can be far shorter, e.g. a late chunk count's, and the greedy plan is there anyway)
 SWAP_MIN_S = 0.1  # the exact swap search's least time when nothing fits (small graphs: a few simulations)
 
 
@@ -68,7 +70,7 @@ def interval_model(problem: Problem, inc: Incumbent, time_limit_s: float, worker
         remat_candidates(problem, inc, fw, bw, 0.7 * time_limit_s / len(orders), workers, label)
     if not inc.found:  # over budget in every fixed order: start reordering from the lowest peak instead
         min_peak(problem, inc, program, bw, deadline - clock.now(), workers, "program order")
-    if not inc.found:
+    if not inc.found and deadline - clock.now() > 0:
         swap_recomputes(problem, inc, max(deadline, clock.now() + SWAP_MIN_S))
 
 
@@ -134,7 +136,7 @@ def reorder_only(problem: Problem, inc: Incumbent, time_limit_s: float, workers:
 
 def min_peak(problem: Problem, inc: Incumbent, fw: list[int], bw: list[int], time_s: float, workers: int,
              label: str) -> None:
-    res = min_peak_remat(problem, fw, bw, time_limit_s=max(0.2, time_s), workers=workers)
+    res = min_peak_remat(problem, fw, bw, time_limit_s=max(MODEL_MIN_S, time_s), workers=workers)
     if res is not None:
         inc.offer(place_recomputes(problem, fw, bw, res[0]), f"cp-sat lowest-peak recompute, {label}")
 
@@ -146,7 +148,7 @@ def remat_candidates(problem: Problem, inc: Incumbent, fw: list[int], bw: list[i
     heur = inc.offer(greedy_recompute(problem, budget, fw, bw), f"greedy recompute, {label}")
     hint = set(heur.sim.recomputed_ops) if fits(heur.sim, budget) else None
     t_start = time.perf_counter()
-    res = solve_remat(problem, fw, bw, budget, time_limit_s=max(0.2, time_s), workers=workers, hint=hint)
+    res = solve_remat(problem, fw, bw, budget, time_limit_s=max(MODEL_MIN_S, time_s), workers=workers, hint=hint)
     if res is None or res.status == "INFEASIBLE":
         return
     kept = prune_recomputes(problem, budget, fw, bw, res.recompute) if budget is not None else res.recompute

@@ -104,12 +104,13 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
     wall0, t0 = time.perf_counter(), clock.now()
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
+    clock.charge(clock.BOUND_PER_OP2_S * len(problem.ops) ** 2)  # its min cuts: work too
     line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress is not False,
                         display=None if isinstance(progress, bool) else progress)
     ctx = Context(problem, budget, workers or max(1, min(8, os.cpu_count() or 1)), line, baseline, hint)
     inc = Incumbent(problem, budget)
     try:
-        run_portfolio(ctx, inc, time_limit_s)
+        run_portfolio(ctx, inc, max(0.0, time_limit_s - (clock.now() - t0)))  # T includes the bound
         if inc.best is None:
             line.close()
             used = clock.now() - t0

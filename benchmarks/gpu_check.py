@@ -974,7 +974,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eager-share", type=float, default=0.6, help="the automatic batch: eager's peak / device memory")
     ap.add_argument("--max-batch", type=int, default=64, help="the automatic batch's ceiling")
     ap.add_argument("--time-limit", type=float, default=None, help="optsched's planning limit per plan, s (default 8; "
-                    "--cpu-smoke 1)")
+                    "--cpu-smoke 2.5: planning counts work, about wall seconds of a 2-core machine)")
     ap.add_argument("--warmup", type=int, default=None, help="steps after the first call before measuring (default 2)")
     ap.add_argument("--repeat", type=int, default=None, help="timed steps per case, median (default 5; --cpu-smoke 2)")
     ap.add_argument("--low-share", type=float, default=None,
@@ -994,7 +994,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--strict", action="store_true", help="exit 1 when a section or case failed (default: 0 once the JSON is written)")
     a = ap.parse_args(argv)
     smoke = a.cpu_smoke
-    a.time_limit = a.time_limit if a.time_limit is not None else (1.0 if smoke else 8.0)
+    a.time_limit = a.time_limit if a.time_limit is not None else (2.5 if smoke else 8.0)
     a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 2)
     a.repeat = a.repeat if a.repeat is not None else (2 if smoke else 5)
     a.low_share = a.low_share if a.low_share is not None else (0.5 if smoke else 0.4)

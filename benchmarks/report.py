@@ -615,6 +615,80 @@ def tight_tables(d: dict) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def tight_summary_table(d: dict) -> str:
+    """README: the tight-budget benchmark, the runs side by side, one line per case: the lowest feasible peak
+    (and its gap to the run's proven bound), then each budget's step time vs eager (or infeasible) and plan s."""
+    runs = d.get("runs", {})
+    labels = _labels(runs)
+    if len(labels) < 1:
+        return ""
+    cases: dict[str, dict[str, tuple]] = {}  # name -> label -> (rows, lowest)
+    for k in labels:
+        run = runs[k]
+        for offload in (False, True):
+            rows = [r for r in run.get("gpt", {}).get("rows", []) if r["offload"] == offload]
+            low = next((x for x in run.get("gpt", {}).get("lowest", []) if x["offload"] == offload), None)
+            if rows:
+                cases.setdefault(f"GPT, offload {'on' if offload else 'off'}", {})[k] = (rows, low)
+        for case in run.get("zoo", {}).get("cases", []):
+            if "rows" in case:
+                cases.setdefault(f"{case['model']}, {case['pattern']}", {})[k] = (case["rows"], case.get("lowest"))
+
+    def lowest(low: dict | None) -> str:
+        if not low or low.get("lowest_peak_bytes") is None:
+            return "none found" if low else "-"
+        peak, bound = low["lowest_peak_bytes"], low.get("bound_bytes")
+        gap = f" ({(peak - bound) / peak:.0%} over bound {bound / MIB:.2f})" if bound else ""
+        return f"{peak / MIB:.2f}{gap}"
+
+    def budget(r: dict) -> str:
+        if r.get("infeasible"):
+            return f"infeasible, {_tight_plan_s(r)} s"
+        if "error" in r:
+            return "fails"
+        return f"{_tight_time(r) or '?'}, {_tight_plan_s(r)} s"
+
+    fracs = sorted({r["fraction"] for c in cases.values() for rows, _ in c.values() for r in rows}, reverse=True)
+    head = "| case | " + " | ".join(f"lowest feasible MiB: {k}" for k in labels) + " | " + " | ".join(
+        f"{f:.0%}: {k}" for f in fracs for k in labels) + " |"
+    lines = [head, "|---|" + "---|" * (len(labels) * (1 + len(fracs)))]
+    for name, by in cases.items():
+        cells = [lowest(by[k][1]) if k in by else "-" for k in labels]
+        for f in fracs:
+            for k in labels:
+                r = next((r for r in by[k][0] if r["fraction"] == f), None) if k in by else None
+                cells.append(budget(r) if r else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    commits = "; ".join(f"{k}: {_git_text(runs[k].get('meta') or runs[k].get('git', {}))}" for k in labels)
+    return (f"Runs: {commits}. Lowest feasible: the lowest predicted peak of a plan found (benchmarks/tight_budgets.py's "
+            "probes) and how far it is above that run's proven lower bound; per budget (a share of eager's measured "
+            "peak): step time vs eager and plan seconds. Every table of it: [docs/benchmarks.md](docs/benchmarks.md)."
+            "\n\n" + "\n".join(lines))
+
+
+def planning_time_table(d: dict) -> str:
+    """benchmarks/planning_time.py: solve wall seconds against time_limit_s, and what 4x the limit changed."""
+    t = d["time_limit_s"]
+    lines = [f"`time_limit_s` T = {t:g} s, deterministic, `executor=\"inductor\"` (fusion options), `chunking=True` "
+             f"on the models with an LM head + cross-entropy; {d['threads']} threads. solve = wall seconds inside the "
+             "planner's solves (every program and chunk count); first call = everything (capture, op timing, solving, "
+             "fusion compiles, lowering, the step). Infeasible budgets are solved again at 4T.", "",
+             "| model | budget | T | solve s | solve / T | first call s | result | 4T changed the answer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for case in d["cases"]:
+        for r in case["rows"] + case["longer"]:
+            res = (f"fits, {r['predicted_peak_bytes'] / MIB:.2f} MiB" + (f", chunks {r['chunks']}" if r.get("chunks") else "")
+                   if r["fits"] else f"infeasible, lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB"
+                   + (" (proven)" if r.get("proven") else ""))
+            changed = "" if "lowest_changed" not in r else ("yes" if r["lowest_changed"] else "no")
+            lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {r['solve_s']:.1f} | "
+                         f"{r['solve_over_limit']:.2f} | {r['first_call_s']:.1f} | {res} | {changed} |")
+    worst = d.get("worst_solve_over_limit")
+    lines += ["", f"Worst solve time / T: {worst:.2f} (the issue's allowance: {d['slack']}); "
+              + ("every run within it." if d.get("within_slack") else "**over it in some runs.**")]
+    return "\n".join(lines)
+
+
 def _git_text(git: dict) -> str:
     """A run's commit: from its ``meta`` (benchmarks/meta.py: clean or dirty tree), or, for runs written before it,
     the git state they recorded (the commit and whether optsched/ and solvers/ differed from it)."""
@@ -811,6 +885,8 @@ TABLES = {
     "zoo": ("zoo.json", zoo_table),
     "loops": ("loops.json", loops_table),
     "tight": ("tight_budgets.json", tight_tables),
+    "tight_summary": ("tight_budgets.json", tight_summary_table),
+    "planning_time": ("planning_time.json", planning_time_table),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
     "chunking": ("chunking.json", chunking_table),
     "fsdp": ("fsdp_offline.json", fsdp_table),

@@ -227,7 +227,7 @@ def test_intervals_union():
 
 def test_options_and_model_configs():
     a = gc.parse_args(["--cpu-smoke"])
-    assert a.time_limit == 1.0 and a.low_share == 0.5 and a.mincut_backend == "aot_eager_decomp_partition"
+    assert a.time_limit == 2.5 and a.low_share == 0.5 and a.mincut_backend == "aot_eager_decomp_partition"
     a = gc.parse_args([])
     assert a.time_limit == 8.0 and a.low_share == 0.4 and a.mincut_backend == "inductor" and a.out == gc.DEFAULT_OUT
     assert gc.model_config(a, cuda=True) == gc.FULL and gc.FULL.batch is None  # chosen from the device

@@ -11,9 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def test_readme_is_under_300_lines_with_one_rendered_table():
+def test_readme_is_under_300_lines_with_the_headline_and_the_tight_budget_summary():
+    """The headline, and the tight-budget runs side by side (issue 25 asks for them in the README); every other
+    table is in docs/benchmarks.md."""
     assert len(README.splitlines()) < 300
-    assert re.findall(r"<!-- bench:(\w+) -->", README) == ["headline"]
+    assert re.findall(r"<!-- bench:(\w+) -->", README) == ["headline", "tight_summary"]
     assert "docs/benchmarks.md" in README and "make demo" in README and "make test" in README
 
 

@@ -12,8 +12,8 @@ seconds on this machine:
 
 ``solve_s / T`` is the check (at most 1.2). Then every run that raised ``BudgetInfeasibleError`` at T runs
 again at 4T: does the lowest peak found change? (The error's message makes no claim either way; this
-measures it.) Deterministic mode counts work, not seconds (solvers/model/clock.py), so on a slower or
-busier machine than a modern core ``solve_s`` exceeds T; run it on an idle machine.
+measures it.) Deterministic mode counts work, not seconds (solvers/model/clock.py, calibrated on the
+idle 2-core reference machine), so on a slower or busier machine ``solve_s`` exceeds T; run it idle.
 
     python -m benchmarks.planning_time                       # T = 5 s, about 10 min
     python -m benchmarks.planning_time --limit 10 --cases gpt,vit

@@ -224,6 +224,21 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
     best_opt = None
     tried: set[int] = {r["budget_bytes"] for r in known}
     out_probes = []
+
+    def probe(budget: int, why: str) -> dict:
+        """Plan at `budget`, recorded; a plan that fits below the best so far becomes the best."""
+        nonlocal best_peak, best_budget, best_opt
+        tried.add(budget)
+        opt, row = plan_once(step, budget, offload, time_limit_s)
+        row["why"] = why
+        out_probes.append(row)
+        print(f"      probe {budget / MIB:8.2f} MiB ({why}): {_short(row)}", flush=True)
+        if opt is not None and row["predicted_peak_bytes"] <= budget and (best_peak is None or row["predicted_peak_bytes"] < best_peak):
+            best_peak, best_budget, best_opt = row["predicted_peak_bytes"], budget, (opt, row)
+        del opt
+        gc.collect()
+        return row
+
     for _ in range(probes):
         lo = max(floor, bound)
         top = best_peak if best_peak is not None else eager_peak
@@ -235,37 +250,15 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         budget, why = (hint, "infeasible error's lowest peak") if hint is not None else ((lo + top) // 2, "bisection")
         if budget in tried:
             break
-        tried.add(budget)
-        opt, row = plan_once(step, budget, offload, time_limit_s)
-        row["why"] = why
-        out_probes.append(row)
-        print(f"      probe {budget / MIB:8.2f} MiB ({why}): {_short(row)}", flush=True)
-        if opt is not None and row["predicted_peak_bytes"] <= budget:
-            if best_peak is None or row["predicted_peak_bytes"] < best_peak:
-                best_peak, best_budget, best_opt = row["predicted_peak_bytes"], budget, (opt, row)
-            else:
-                del opt
-        else:
-            del opt
-            if row.get("infeasible"):
-                floor = max(floor, budget)
-                if row.get("lower_bound_bytes"):
-                    bound = min(bound, row["lower_bound_bytes"]) if bound else row["lower_bound_bytes"]
-                hints = sorted(set(hints) | {row["lowest_peak_bytes"]})
-        gc.collect()
+        row = probe(budget, why)
+        if row.get("infeasible"):
+            floor = max(floor, budget)
+            if row.get("lower_bound_bytes"):
+                bound = min(bound, row["lower_bound_bytes"]) if bound else row["lower_bound_bytes"]
+            hints = sorted(set(hints) | {row["lowest_peak_bytes"]})
     for target in sorted(set(targets)):  # does this run reach what another did? (its search path may miss it)
-        if (best_peak is not None and target >= best_peak) or target in tried or target < bound:
-            continue
-        tried.add(target)
-        opt, row = plan_once(step, target, offload, time_limit_s)
-        row["why"] = "another run's lowest feasible"
-        out_probes.append(row)
-        print(f"      probe {target / MIB:8.2f} MiB (another run's lowest feasible): {_short(row)}", flush=True)
-        if opt is not None and row["predicted_peak_bytes"] <= target and (best_peak is None or row["predicted_peak_bytes"] < best_peak):
-            best_peak, best_budget, best_opt = row["predicted_peak_bytes"], target, (opt, row)
-        else:
-            del opt
-        gc.collect()
+        if (best_peak is None or target < best_peak) and target not in tried and target >= bound:
+            probe(target, "another run's lowest feasible")
     res: dict = {"offload": offload, "probes": out_probes, "search_s": time.perf_counter() - t_start, "bound_bytes": bound,
                  "floor_budget_bytes": floor, "lowest_peak_bytes": best_peak, "budget_bytes": best_budget}
     if best_peak is None:

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..capture.fingerprint import structure_hash
 
@@ -48,20 +50,7 @@ def _layout(x: torch.Tensor) -> tuple:
     return (x.dtype, x.device.type, x.dim(), order, tuple(s == 1 for s in x.shape), x.is_contiguous())
 
 
-def _traced_kinds() -> tuple[type, ...]:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return FakeTensor, FunctionalTensor
-
-
-_TRACED = _traced_kinds()
-
-
-def _disable_current_modes():
-    from torch.utils._python_dispatch import _disable_current_modes as disable
-
-    return disable()
+_TRACED = (FakeTensor, FunctionalTensor)  # inputs of a group called while a program is traced, not run
 
 
 def _exact_layout(xs: Sequence[torch.Tensor]) -> tuple:
@@ -124,7 +113,7 @@ class InductorExecutor:
             layout = _exact_layout(xs)
             kernel = by_layout.get(layout)
             if kernel is None:
-                if any(isinstance(x, _TRACED) for x in xs):  # traced (functional or fake tensors): the ops
+                if any(isinstance(x, _TRACED) for x in xs):  # traced, not run: the ops themselves
                     return tuple(gm(*xs))
                 with _disable_current_modes():
                     kernel = by_layout[layout] = self._kernel_run(gm, xs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 
 from .heuristics import greedy_recompute, place_recomputes, prune_recomputes
+from .incumbent import NOTHING_FITS, better
 from ..model.problem import Problem, Schedule, TensorKind
 from ..model.simulator import SimResult, simulate
 from ..model import clock
@@ -94,7 +95,7 @@ def offload_towards(problem: Problem, schedule: Schedule, budget: int,
         if best is None:
             return lowest
         _key, sched, sim = best
-        if (sim.peak_bytes, sim.time_s) < (lowest[1].peak_bytes, lowest[1].time_s):
+        if better(sim, lowest[1], NOTHING_FITS):
             lowest = (sched, sim)
     return (sched, sim) if sim.peak_bytes <= budget else lowest
 
@@ -122,8 +123,9 @@ def mix_offload_and_recompute(
 
     `bw_order` lists backward ops only. One plan per rung of LADDER that fits, and one
     that offloads on top of `lowest` (the lowest-peak recompute set known), for budgets
-    recomputation alone cannot reach. When none fits, the lowest-peak plan offloading reached
-    instead (over budget: a start for the segment search, and the lowest peak an error reports).
+    recomputation alone cannot reach. When none fits, the lowest-peak plans offloading reached
+    instead (over budget: the incumbent keeps the lowest, a start for the segment search and the
+    lowest peak an error reports).
     """
     if problem.host_bw <= 0:
         return []
@@ -131,17 +133,16 @@ def mix_offload_and_recompute(
     if top <= budget:
         return []  # nothing to decide: the plan without recomputation fits
     out: list[Schedule] = []
-    closest: tuple[int, float, Schedule] | None = None  # (peak, time, plan) of the lowest plan over budget
+    over: list[Schedule] = []  # the lowest plan each start reached, over budget
     tried: set[frozenset[int]] = set()
 
     def offload_on(kept: set[int]) -> None:
-        nonlocal closest
         tried.add(frozenset(kept))
         sched, sim = offload_towards(problem, place_recomputes(problem, fw_order, bw_order, kept), budget, deadline)
         if sim.peak_bytes <= budget:
             out.append(_drop_needless(problem, sched, sim, budget))
-        elif closest is None or (sim.peak_bytes, sim.time_s) < closest[:2]:
-            closest = (sim.peak_bytes, sim.time_s, sched)
+        else:
+            over.append(sched)
 
     for share in LADDER:
         if deadline is not None and clock.now() > deadline:
@@ -155,9 +156,7 @@ def mix_offload_and_recompute(
             offload_on(kept)
     if not out and lowest is not None and frozenset(lowest) not in tried:
         offload_on(set(lowest))
-    if not out and closest is not None:
-        out.append(closest[2])
-    return out
+    return out or over
 
 
 def offload_all(problem: Problem) -> Schedule:

@@ -31,7 +31,8 @@ from .starts import EXACT_ORDER_MAX_OPS, GAP_TARGET, INTERVAL_MODEL_MAX_OPS
 __all__ = ["BudgetInfeasibleError", "PlanningTimeLimitError", "Solution", "TIME_TABLE", "certify", "solve",
            "EXACT_ORDER_MAX_OPS", "GAP_TARGET", "INTERVAL_MODEL_MAX_OPS"]
 
-TIME_TABLE: tuple[tuple[Move, float], ...] = (  # (move, weight), in the order they run
+REST = None  # a weight: the move reserves nothing, and gets all the time left when its turn comes
+TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the order they run
     (moves.HINT, 0.0),  # the caller's plan, offered first (no search time)
     (moves.FORWARD_ORDER, 1.0),  # forward-only programs: the order is the whole decision
     (moves.EARLY_SEGMENTS, 0.45),  # tight budgets, small graphs: the segment search from the program first
@@ -41,6 +42,7 @@ TIME_TABLE: tuple[tuple[Move, float], ...] = (  # (move, weight), in the order t
     (moves.OFFLOAD, 0.15),  # offloading allowed: the greedy ladder
     (moves.SEGMENTS, 0.35),  # budgeted training: replan segments, copied to repeated blocks
     (moves.CHAIN_MOVE, 0.15),  # 3+ repeated blocks: per-block options combined along the chain
+    (moves.SEGMENTS_AGAIN, REST),  # nothing fits yet: the segment search again, from the lowest plan
     (moves.FUSION, 0.05),  # fusion options the search left unformed
     (moves.CERTIFY, 0.10),  # the bound and status of the plan returned
 )
@@ -86,13 +88,17 @@ def _caller_heap_frozen():
 
 
 def run_portfolio(ctx: Context, inc: Incumbent, time_limit_s: float) -> None:
-    """Each move of TIME_TABLE that applies, in order, on its slice of the time left."""
+    """Each move of TIME_TABLE that applies, in order, on its slice of the time left; a move is skipped
+    when the incumbent does not want it (fusion options and certification need a plan that fits, the
+    segment search again needs none)."""
     end = clock.now() + time_limit_s
     table = [(m, w) for m, w in TIME_TABLE if m.applies(ctx)]
     for i, (move, weight) in enumerate(table):
+        if not move.wanted(inc):
+            continue
         left = max(0.0, end - clock.now())
-        weights = sum(w for _m, w in table[i:])
-        slice_s = left * weight / weights if weights > 0 else 0.0
+        weights = sum(w or 0.0 for _m, w in table[i:])
+        slice_s = left if weight is REST else left * weight / weights if weights > 0 else 0.0
         if slice_s < moves.MIN_SLICE_S and not move.always:
             continue
         ctx.line.note(move.name)

@@ -24,11 +24,10 @@ from .fusion_options import form_options
 from .incumbent import Incumbent
 from .offload import mix_offload_and_recompute
 from .reorder import base_orders
-from .segments import SEGMENT_S, improve_by_segments
+from .segments import improve_by_segments
 
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search also runs first, from the program
 CHAIN = True  # combine per-block options along the chain (search/chain.py) after the segment search
-AGAIN_SEGMENT_S = 2 * SEGMENT_S  # the segment search again: longer solves than the first time
 MIN_SLICE_S = 0.1  # a move whose slice is shorter than this does not start (but `Move.always`)
 
 
@@ -42,6 +41,7 @@ class Context:
     line: ProgressLine
     baseline: SimResult
     hint: Schedule | None = None
+    lower: int = 0  # a lower bound on every plan's peak
     cut: bool = False  # a move was ended by its deadline while it still improved the plan
     notes: list[str] = field(default_factory=list)
 
@@ -127,22 +127,15 @@ def offload_ladder(ctx: Context, inc: Incumbent, deadline: float) -> None:
         inc.offer(sched, "recompute plan at a looser budget + greedy offload")
 
 
-def segment_search(ctx: Context, inc: Incumbent, deadline: float, segment_s: float | None = None) -> None:
+def segment_search(ctx: Context, inc: Incumbent, deadline: float) -> None:
     """From the plan found when it fits (to make it faster), else from the lowest (to make one fit)."""
     if inc.start is None:
         return
     found, cut = improve_by_segments(ctx.problem, inc.start.schedule, ctx.budget, deadline=deadline,
-                                     workers=ctx.workers, offload=ctx.offload, segment_s=segment_s)
+                                     workers=ctx.workers, offload=ctx.offload)
     ctx.cut = ctx.cut or cut
     inc.offer(found, "segment search (order, save/recompute and offload per block)" if ctx.offload
               else "segment search (order and save/recompute per block)")
-
-
-def segment_search_again(ctx: Context, inc: Incumbent, deadline: float) -> None:
-    """Nothing fits yet: the time the moves that need a plan (fusion options, certification) would have had
-    goes to the segment search again, from the lowest plan the other moves reached, with longer segment
-    solves (the same ones would find the same: the clock is deterministic)."""
-    segment_search(ctx, inc, deadline, AGAIN_SEGMENT_S)
 
 
 def chain(ctx: Context, inc: Incumbent, deadline: float) -> None:
@@ -193,7 +186,5 @@ OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_lad
 SEGMENTS = Move("segment search", lambda c: c.training and c.budget is not None, segment_search)
 CHAIN_MOVE = Move("chain", lambda c: CHAIN and c.training and c.budget is not None
                   and len(c.blocks.blocks) >= MIN_BLOCKS, chain)
-SEGMENTS_AGAIN = Move("segment search again", SEGMENTS.applies, segment_search_again,
-                      wanted=lambda inc: not inc.found)
 FUSION = Move("fusion options", lambda c: bool(c.problem.fusion_options), fusion_options, wanted=lambda inc: inc.found)
 CERTIFY = Move("certify", lambda c: True, certify, always=True, wanted=lambda inc: inc.found)

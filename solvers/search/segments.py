@@ -104,12 +104,10 @@ def improve_by_segments(
     on_step: Callable[[str], None] | None = None,
     max_rounds: int = 200,
     offload: bool = False,
-    segment_s: float | None = None,
 ) -> tuple[Schedule, bool]:
     """The best plan reached from `schedule` by replanning segments (never worse than `schedule`), and
     whether the deadline cut the search short (False: no segment change helps any more). `offload`:
-    segments may offload their activations too (when the problem has host bandwidth). `segment_s`: the most one
-    segment model may take (default SEGMENT_S)."""
+    segments may offload their activations too (when the problem has host bandwidth)."""
     groups = find_blocks(problem, schedule.fw_order)
     best, bsim = schedule, simulate(problem, schedule)
     tried: set[tuple] = set()
@@ -127,7 +125,7 @@ def improve_by_segments(
             tried.add(state)
             free = free_ops(problem, bsim, a, b, groups.members[g], offload=offload and problem.host_bw > 0)
             window = offload_window(problem, bsim, a, free) if offload else None
-            limit = min(left, segment_s or SEGMENT_S)
+            limit = min(left, SEGMENT_S)
             res = replan_segment(problem, bsim, a, b, free, budget, time_limit_s=limit, workers=workers, window=window,
                                  decide_fusion=True)
             if res is None and not fits:

@@ -229,8 +229,20 @@ class Dispatcher:
         resolution = self.resolution.for_shapes(_shapes_key(base))
         return PlanningBackend(
             self.settings, on_plan, resolution=resolution, carried=self.carried, usage=usage, on_usage=on_usage,
-            grads_at_start=bool(base and base[2]), cost_cache=self.cost_cache,
+            grads_at_start=bool(base and base[2]), cost_cache=self.cost_cache, state=self._module_state(),
         )
+
+    def _module_state(self) -> Callable[[], list] | None:
+        """The module's named parameters and buffers when asked (weakly: a plan must not keep it alive)."""
+        if self.module is None:
+            return None
+        ref = weakref.ref(self.module)
+
+        def state() -> list:
+            module = ref()
+            return [] if module is None else [*module.named_parameters(), *module.named_buffers()]
+
+        return state
 
     def copy_spec(self) -> _CopySpec:
         """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first)."""

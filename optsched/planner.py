@@ -28,7 +28,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,7 @@ from .capture.joint_graph import JointGraph, build_joint_graph
 from .capture.output_usage import OutputUsage
 from .costs.problem_builder import Built, build_problem, reuse_candidates
 from .costs.profiles import DeviceProfile, NodeCosts, get_profile
+from .costs.measure import unread_state
 from .costs.profiling import profile_nodes, real_placeholders
 from .executors import get_executor
 from .executors.base import Executor
@@ -179,11 +180,15 @@ class Planner:
         self.cost_cache = cost_cache  # measured costs of graphs planned before (shared by one optimized callable's planners)
         self.grads_at_start = grads_at_start  # an accumulation step (api.grads_at_start)
         self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
+        self.unread_state: list[tuple[str, int]] = []  # the module's state the program does not read (see hold_inputs)
 
-    def hold_inputs(self, values: list) -> None:
+    def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
-        them in place instead of making copies. Held weakly, so a batch is not kept alive by its plan."""
+        them in place instead of making copies. Held weakly, so a batch is not kept alive by its plan.
+        `state`: the module's named parameters and buffers; those the program does not read are on the
+        device all the same, and every plan counts them (an unused 4 MiB Linear was 4 MiB over budget)."""
         self.caller_inputs = [weakref.ref(v) if isinstance(v, torch.Tensor) else (lambda v=v: v) for v in values]
+        self.unread_state = unread_state(state, values, self.target.device)
 
     def measured_costs(self, gm: fx.GraphModule, jg: JointGraph) -> NodeCosts | None:
         t = self.target
@@ -300,7 +305,7 @@ class Planner:
         built = build_problem(
             jg, t.profile, name=name, measured=costs,
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
-            grads_at_start=self.grads_at_start,
+            grads_at_start=self.grads_at_start, unread_state=self.unread_state,
         )
         chunking, when_needed = self.settings.chunking, self.settings.chunk_when_needed
         asked = jg.is_training and (when_needed or self.settings.chunk_counts != (1,))  # "auto", True, a count > 1
@@ -383,7 +388,8 @@ class Planner:
                 jgk = build_joint_graph(g, jg.num_fwd_outputs)
                 built_k = build_problem(jgk, t.profile, name=built.problem.name, measured=self._chunked_costs(g, jgk, costs),
                                         offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage,
-                                        device=t.device, grads_at_start=self.grads_at_start)
+                                        device=t.device, grads_at_start=self.grads_at_start,
+                                        unread_state=self.unread_state)
             try:
                 plan_k, items_k = self._plan_fused(jgk, built_k, len((g or gm).graph.nodes), budget_bytes)
             except BudgetInfeasibleError as e:

@@ -7,7 +7,7 @@ forward and backward wrappers observe what the caller does with the outputs (`ou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -96,8 +96,10 @@ class PlanningBackend:
         carried: dict[str, list[PlanFile]] | None = None,
         grads_at_start: bool = False,
         cost_cache: CostCache | None = None,
+        state: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ):
         self.settings = settings
+        self.state = state  # the module's named parameters and buffers (see Planner.hold_inputs)
         self.cost_cache = cost_cache  # measured op costs shared with the optimized callable's other programs
         self.grads_at_start = grads_at_start  # an accumulation step: gradients live from the start (api.grads_at_start)
         self.on_plan = on_plan
@@ -116,7 +118,7 @@ class PlanningBackend:
             self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
             observed_usage=self.usage, grads_at_start=self.grads_at_start, cost_cache=self.cost_cache,
         )
-        self.planner.hold_inputs(list(example_inputs))
+        self.planner.hold_inputs(list(example_inputs), self.state() if self.state is not None else ())
         return aot_autograd(**aot_hooks(self))(gm, example_inputs)
 
     @property

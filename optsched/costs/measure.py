@@ -42,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -120,6 +120,26 @@ def live_bytes(*objs: Any) -> int:
     for obj in objs:
         visit(obj)
     return sum(seen.values())
+
+
+def unread_state(state: Iterable[tuple[str, torch.Tensor]], inputs: Iterable[Any],
+                 device: torch.device) -> list[tuple[str, int]]:
+    """(name, bytes) of each storage of `state` (a module's named parameters and buffers) on `device`
+    that no tensor of `inputs` (a captured program's inputs) shares: resident for the whole step, though
+    the program never reads it. Each storage once; tensor subclasses (a sharded parameter) are left
+    out, their storage is not theirs to count."""
+    read = {StorageWeakRef(x.untyped_storage()) for x in inputs if type(x) in _PLAIN}
+    out: dict[StorageWeakRef, tuple[str, int]] = {}
+    for name, t in state:
+        if type(t) not in _PLAIN or t.device.type != device.type or device.index not in (None, t.device.index):
+            continue
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in read and key not in out:
+            out[key] = (name, t.untyped_storage().nbytes())
+    return list(out.values())
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)

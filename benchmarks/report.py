@@ -845,7 +845,10 @@ def fsdp_table(d: dict) -> str:
                      f"{r['step_time_s'] * 1e3:.1f} | {r['time_ratio_vs_fastest']:.3f} | {how}, {what} | {loads} |")
     lines.append(f"| (full activation checkpointing) | {ac['predicted_peak_bytes'] / gib:.2f} GiB | {ac['step_time_s'] * 1e3:.1f} | "
                  f"{ac['step_time_s'] / f['step_time_s']:.3f} | every block recomputed whole | |")
-    lines += ["", "Budgets: the fixed per-rank terms plus the share in brackets of what the fastest plan's activations add to them."]
+    fixed = d["rows"][0]["fixed_bytes"] if d["rows"] else None
+    lines += ["", "Budgets: the fixed per-rank terms" + (
+        f" ({fixed / gib:.1f} GiB, {d['root']['activations_bytes'] / gib:.1f} GiB of them the root's activations)"
+        if fixed is not None else "") + " plus the share in brackets of what the fastest plan's activations add to them."]
     return "\n".join(lines)
 
 

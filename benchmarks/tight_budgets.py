@@ -21,7 +21,8 @@ Lowest feasible (``lowest_feasible``), plans only (no step run) until the end:
      of eager's peak above the floor), the next probe is a budget of exactly L, passing that error back
      (``optimize(..., start_from=error)``, as its message says): the plan it found is the start;
   3. otherwise bisection: the next budget is halfway between max(floor, bound) and the best so far
-     (or eager's peak when nothing fit yet); a probe that fits lowers the best to its predicted
+     (or eager's peak when nothing fit yet), starting from the best plan so far (``start_from=plan``, as
+     a user lowering a budget would); a probe that fits lowers the best to its predicted
      peak, one that does not raises the floor (and its L, if lower than the best, is tried next);
   4. stop after ``--probes`` probes (default 4) or when best - max(floor, bound) < 1% of eager;
   5. then each lowest feasible peak another run (label) of the JSON recorded for the case, when below the best
@@ -103,19 +104,23 @@ def _plan_fields(plan) -> dict:
 
 
 # the errors of this process's probes by (module, offload, lowest peak): a probe at an error's lowest peak passes
-# the error back (optimize's start_from), as a user would; nothing else is carried between probes
+# the error back (optimize's start_from), as a user would; any other probe passes the best plan so far (the
+# same argument); nothing else is carried between probes
 _ERRORS: dict[tuple[int, bool, int], optsched.BudgetInfeasibleError] = {}
+_PLANS: dict[tuple[int, bool, int], object] = {}  # the first plan made at each budget, by (module, offload, budget)
 
 
-def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed: int = 0):
+def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed: int = 0, start_from=None):
     """optimize() and its first call (which plans), then that step's backward. Returns (opt, row); opt is None
     when no plan was made (``row['infeasible']`` or ``row['error']``). A budget that is an earlier error's
-    lowest peak starts from that error's plan (``row['start_from']``)."""
+    lowest peak starts from that error's plan, else from `start_from` (an earlier plan) when given
+    (``row['start_from']``: "error" or "plan")."""
     zoo = _zoo()
     row: dict = {"budget_bytes": budget, "offload": offload}
-    start_from = _ERRORS.get((id(step.module), offload, budget))
+    error = _ERRORS.get((id(step.module), offload, budget))
+    start_from = error if error is not None else start_from
     if start_from is not None:
-        row["start_from"] = True
+        row["start_from"] = "error" if error is not None else "plan"
     stage = "optimize"
     t0 = time.perf_counter()
     try:
@@ -131,6 +136,7 @@ def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed
         loss.backward()
         del loss
         row.update(_plan_fields(opt.plan))
+        _PLANS[(id(step.module), offload, budget)] = opt.plan
         return opt, row
     except optsched.BudgetInfeasibleError as e:
         if e.lowest_schedule is not None:
@@ -229,7 +235,8 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         """Plan at `budget`, recorded; a plan that fits below the best so far becomes the best."""
         nonlocal best_peak, best_budget, best_opt
         tried.add(budget)
-        opt, row = plan_once(step, budget, offload, time_limit_s)
+        start = _PLANS.get((id(step.module), offload, best_budget)) if best_budget is not None else None
+        opt, row = plan_once(step, budget, offload, time_limit_s, start_from=start)
         row["why"] = why
         out_probes.append(row)
         print(f"      probe {budget / MIB:8.2f} MiB ({why}): {_short(row)}", flush=True)

@@ -405,7 +405,7 @@ def optimize(
     on_mismatch: str = "error",
     deterministic: bool | None = None,
     chunking: bool | int | str | None = None,
-    start_from: BudgetInfeasibleError | None = None,
+    start_from: BudgetInfeasibleError | Plan | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -472,10 +472,12 @@ def optimize(
     needed). An int: that many chunks (1: as captured), not a choice. `plan.summary()["chunks"]` says
     what was chosen; the plan's notes (chunking asked for) and a BudgetInfeasibleError say what was
     tried, or why no chain was found.
-    start_from: a BudgetInfeasibleError an earlier optimize() of the same step raised: the lowest-peak plan
-    it found is where this search starts (the plan is simulated again here and dropped if it is not a
-    plan of this step). The search depends on the budget, so another budget may not find that plan by
-    itself; with `mem_budget=err.lowest_peak_bytes, start_from=err` a plan within that peak is certain.
+    start_from: a BudgetInfeasibleError an earlier optimize() of the same step raised (the lowest-peak plan
+    it found), or an earlier optimized step's `plan`: where this search starts (the plan is simulated
+    again here and dropped if it is not a plan of this step). The search depends on the budget, so another
+    budget may not find that plan by itself; with `mem_budget=err.lowest_peak_bytes, start_from=err` (or
+    `plan.predicted_peak_bytes, start_from=plan`) a plan within that peak is certain, and a lower budget
+    searches down from it.
     Nothing else is carried between calls: the same arguments plan the same way in any process.
     """
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
@@ -514,9 +516,11 @@ def _start_plan(start_from: Any):
     """The plan `start_from` carries (optimize's argument), checked."""
     if start_from is None:
         return None
+    if isinstance(start_from, Plan):
+        return start_from.schedule
     if not isinstance(start_from, BudgetInfeasibleError):
-        raise TypeError(f"start_from must be a BudgetInfeasibleError raised by an earlier optimize(), got "
-                        f"{type(start_from).__name__}")
+        raise TypeError(f"start_from must be a BudgetInfeasibleError raised by an earlier optimize() or an "
+                        f"optimized step's plan, got {type(start_from).__name__}")
     if start_from.lowest_schedule is None:
         raise ValueError("start_from: this BudgetInfeasibleError carries no plan (it came from a search that found "
                          "none, or from the distributed planner); plan without start_from")

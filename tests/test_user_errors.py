@@ -130,6 +130,28 @@ def test_start_from_an_error_gives_its_lowest_plan_at_that_peak():
     assert again.plan.sim.peak_bytes <= e.lowest_peak_bytes
 
 
+def test_start_from_a_plan_meets_its_peak_and_is_never_worse_below_it():
+    """An optimized step's plan passed back: a budget of its predicted peak is met (the plan is offered
+    first), and a lower budget's search starts from it: its lowest peak is never above the plan's."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                              for _ in range(4)])
+    x = torch.randn(256, 64)
+    kw = dict(time_limit_s=1, device_profile="cpu", deterministic=True)
+    first = optsched.optimize(m, "80%", **kw)
+    first(x).sum().backward()
+    plan = first.plan
+    again = optsched.optimize(m, plan.predicted_peak_bytes, start_from=plan, **kw)
+    again(x).sum().backward()
+    assert again.plan.predicted_peak_bytes <= plan.predicted_peak_bytes
+    try:
+        lower = optsched.optimize(m, plan.predicted_peak_bytes // 2, start_from=plan, **kw)
+        lower(x).sum().backward()
+        assert lower.plan.predicted_peak_bytes <= plan.predicted_peak_bytes // 2
+    except optsched.BudgetInfeasibleError as e:
+        assert e.lowest_peak_bytes <= plan.predicted_peak_bytes
+
+
 def test_an_unproven_error_says_how_to_start_from_its_plan():
     from optsched.planner import _start_from_note
     from optsched.solvers import Schedule

@@ -45,7 +45,8 @@ def aim_lower(ctx: Context, inc: Incumbent, deadline: float) -> None:
     below the lowest peak found, from that plan, they find one that fits and lower it again (15.85, 15.45,
     15.08, 14.55, 14.29 MiB in five such searches). So: the portfolio (without this move, fusion options and
     certification) at a target AIM_STEP below the lowest peak (never below the budget or the bound), its plans
-    offered here; a miss halves the step. The lowest peak reported can only go down."""
+    offered here; a miss halves the step. An aim at the budget itself gets all the time left. The lowest peak
+    reported can only go down."""
     step = AIM_STEP
     while not inc.found and step >= AIM_MIN_STEP:
         left = deadline - clock.now()
@@ -56,14 +57,17 @@ def aim_lower(ctx: Context, inc: Incumbent, deadline: float) -> None:
         aim = max(ctx.budget, ctx.lower, int(low.sim.peak_bytes * (1 - step)))
         if aim >= low.sim.peak_bytes:
             return
+        final = aim == ctx.budget  # the budget itself is within reach of one step: all the time left for it
         sub_ctx = dataclasses.replace(ctx, budget=aim, hint=low.schedule, cut=False, notes=[])
         sub = Incumbent(ctx.problem, aim)
-        run_portfolio(sub_ctx, sub, max(AIM_MIN_S, AIM_SHARE * left), _AIMED_TABLE)
+        run_portfolio(sub_ctx, sub, left if final else max(AIM_MIN_S, AIM_SHARE * left), _AIMED_TABLE)
         for cand in (sub.best, sub.lowest):
             if cand is not None:
                 inc.offer(cand.schedule, dataclasses.replace(
                     cand.stats, method=f"{cand.stats.method} (aiming at {aim / 2**20:.2f} MiB)"), cand.sim)
         if sub.best is None:
+            if final and inc.lowest is low:  # the budget missed with all the time there was, from the same plan
+                return
             step /= 2
 
 

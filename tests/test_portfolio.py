@@ -242,3 +242,12 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
     assert slices and slices[0] > 0, slices
     monkeypatch.setattr(strategy, "TIME_TABLE", tuple((m, w) for m, w in table if m.name != strategy.AIM_LOWER.name))
     assert aimed < lowest()
+
+
+def test_below_the_proven_bound_the_error_is_no_time_limit_even_when_aiming_lower_ran_out_of_time():
+    p = chain_training_problem(n_layers=14, seed=0)
+    budget = lower_bound_peak(p) - 1
+    with pytest.raises(strategy.BudgetInfeasibleError) as e:
+        solve(p, budget, time_limit_s=1.5, deterministic=True)
+    assert type(e.value) is strategy.BudgetInfeasibleError and e.value.proven
+    assert "none can" in str(e.value)

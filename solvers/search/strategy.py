@@ -162,7 +162,9 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
         if inc.best is None:
             line.close()
             used = clock.now() - t0
-            error = PlanningTimeLimitError if ctx.cut or used >= TIME_LIMIT_USED * time_limit_s else BudgetInfeasibleError
+            # below the proven bound no plan fits, however long the search: not a matter of time
+            timed_out = (ctx.cut or used >= TIME_LIMIT_USED * time_limit_s) and (budget or 0) >= lower
+            error = PlanningTimeLimitError if timed_out else BudgetInfeasibleError
             low = inc.lowest
             raise error(budget or 0, low.sim.peak_bytes, lower, low.schedule,
                         elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s)

@@ -59,6 +59,8 @@ def aim_lower(ctx: Context, inc: Incumbent, deadline: float) -> None:
             return
         final = aim == ctx.budget  # the budget itself is within reach of one step: all the time left for it
         sub_ctx = dataclasses.replace(ctx, budget=aim, hint=low.schedule, cut=False, notes=[])
+        if "blocks" in ctx.__dict__:  # the problem's repeated blocks, found once (a cached property replace drops)
+            sub_ctx.__dict__["blocks"] = ctx.blocks
         sub = Incumbent(ctx.problem, aim)
         run_portfolio(sub_ctx, sub, left if final else max(AIM_MIN_S, AIM_SHARE * left), _AIMED_TABLE)
         for cand in (sub.best, sub.lowest):
@@ -131,8 +133,8 @@ def _caller_heap_frozen():
 
 def run_portfolio(ctx: Context, inc: Incumbent, time_limit_s: float, table=None) -> None:
     """Each move of TIME_TABLE that applies, in order, on its slice of the time left; a move is skipped
-    when the incumbent does not want it (fusion options and certification need a plan that fits, the
-    segment search again needs none)."""
+    when the incumbent does not want it (fusion options and certification need a plan that fits, aiming
+    lower needs none)."""
     end = clock.now() + time_limit_s
     table = [(m, w) for m, w in (TIME_TABLE if table is None else table) if m.applies(ctx)]
     for i, (move, weight) in enumerate(table):

@@ -6,6 +6,7 @@ import copy
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -24,13 +25,14 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 from .compiler.backend import PlanningBackend
 from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_options
 from .attribute_sync import AttributeSync
-from .capture.errors import capturing
+from .capture.errors import CaptureError, capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
 from .costs.profiles import DeviceProfile
 from .planner import CostCache
 from .plans.plan import Plan
 from .settings import PlanningSettings
+from .state_snapshot import StateSnapshot
 from .plans.file_format import PlanFile, seal, validate
 from .solvers import BudgetInfeasibleError
 
@@ -51,8 +53,28 @@ def _own_code(call: Callable) -> Callable:
     def trampoline(*args, **kwargs):
         return call(*args, **kwargs)
 
-    code = trampoline.__code__.replace()
-    return types.FunctionType(code, trampoline.__globals__, "optsched_step", None, trampoline.__closure__)
+    # a name of its own too: Dynamo keeps what it saw of a frame's scalars and sizes (automatic dynamic) per
+    # file, line and name, which would otherwise be shared by every optimized callable's programs
+    name = f"optsched_step_{next(_CODE_NUMBERS)}"
+    names = {"co_name": name, "co_qualname": name} if sys.version_info >= (3, 11) else {"co_name": name}
+    code = trampoline.__code__.replace(**names)
+    return types.FunctionType(code, trampoline.__globals__, name, None, trampoline.__closure__)
+
+
+_CODE_NUMBERS = itertools.count()
+
+
+def _scalars_unspecialized(compiled: Callable) -> Callable:
+    """`compiled` with int attributes of modules traced as inputs once they change, as floats are (Dynamo
+    specializes every value of an int attribute otherwise)."""
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        # profile-guided dynamism off: what another process saw must not make this program's sizes dynamic
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, automatic_dynamic_local_pgo=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _unwrap_errors(compiled: Callable, eager: Callable | None = None) -> Callable:
@@ -146,6 +168,7 @@ class Dispatcher:
             module.training if module is not None else None,
             grads_at_start(module, args, kwargs),
             _autocast_state(),
+            _hooks_state(module),
             _signature(args, kwargs),
             self.extra_key(args, kwargs),
         )
@@ -163,18 +186,22 @@ class Dispatcher:
             entry = self._add(key)
         else:
             self.entries.move_to_end(key)
-        planned = entry.plan
+        planned, backend = entry.plan, entry.backend
+        if backend is not None:
+            backend.ran = None
         try:
             out = entry.call(*args, **kwargs)
         finally:
-            self.owner.__dict__["plan"] = entry.plan
-        if key[0][0]:  # grad mode: outputs no gradient flows into get None in the backward, not full zeros
+            # the variant that ran (Dynamo may go back to an earlier compile of this signature: see PlanningBackend)
+            variant = backend.ran if backend is not None else None
+            self.owner.__dict__["plan"] = variant.plan if variant is not None and variant.plan is not None else entry.plan
+        if key[0][0] and variant is not None:  # grad mode: outputs no gradient flows into get None in the backward
             nodes = release_unused_grads(out)
-            handover = entry.backend.handover if entry.backend is not None else None
+            handover = variant.handover
             if handover is not None:
                 for node in nodes:  # the backward frees the output gradients at their last use
                     handover.attach(node)
-            observer = entry.backend.observer if entry.backend is not None else None
+            observer = variant.observer
             if observer is not None:
                 observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours
                 if entry.plan is not planned:
@@ -185,12 +212,16 @@ class Dispatcher:
         return out
 
     def _add(self, key: Hashable) -> _Entry:
+        _refuse_backward_hooks(self.module)
         entry = _Entry()
         call = self.module._call_impl if self.module is not None else self.fn
         entry.backend = self._backend(entry, *key)
         fn = _own_code(call)
-        compiled = torch.compile(fn, backend=_WeakBackend(entry.backend), fullgraph=True, dynamic=False)
-        entry.call = _unwrap_errors(compiled, call)
+        # dynamic=None: a float or int attribute that changes between steps (a scheduled temperature, a step
+        # counter) becomes an input of the program after its first change, not a re-plan per value and a
+        # crash at Dynamo's recompile limit; shapes stay static (one entry per input signature)
+        compiled = torch.compile(fn, backend=_WeakBackend(entry.backend), fullgraph=True, dynamic=None)
+        entry.call = _unwrap_errors(_scalars_unspecialized(compiled), call)
         # Dynamo's cache on the code object refers back to the code (a cycle the garbage collector cannot see
         # through): emptied when the entry goes (dropped, or its module gone), or no program would ever be
         # freed. A backward still to run holds what it needs itself.
@@ -290,6 +321,45 @@ def _autocast_state() -> tuple:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
 
 
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{h}" for h in _MODULE_HOOKS)
+
+
+def _hooks_state(module: torch.nn.Module | None) -> tuple:
+    """The module hooks registered now (each hook dict's handle ids, per submodule, and torch's global ones):
+    part of the signature, so a hook added or removed between steps gets a program traced with it, as eager
+    runs it (Dynamo does not guard on submodules' hooks and would keep running the program traced without)."""
+    if module is None:
+        return ()
+    registry = torch.nn.modules.module
+    state = [tuple(getattr(registry, name, None) or ()) for name in _GLOBAL_HOOKS]
+    for i, m in enumerate(module.modules()):
+        d = m.__dict__
+        if any(d.get(name) for name in _MODULE_HOOKS):
+            state.append((i, *(tuple(d.get(name) or ()) for name in _MODULE_HOOKS)))
+    return tuple(state)
+
+
+def _refuse_backward_hooks(module: torch.nn.Module | None) -> None:
+    """A module backward hook runs between two modules' backwards, which one planned backward program has not:
+    refused at the call that would compile with it, naming the module and what works instead."""
+    if module is None:
+        return
+    registry = torch.nn.modules.module
+    hooked = [f"global ({name[1:]})" for name in ("_global_backward_pre_hooks", "_global_backward_hooks")
+              if getattr(registry, name, None)]
+    hooked += [f"{name or 'the model'} ({type(m).__name__})" for name, m in module.named_modules()
+               if m.__dict__.get("_backward_hooks") or m.__dict__.get("_backward_pre_hooks")]
+    if hooked:
+        raise CaptureError(
+            f"optsched cannot run module backward hooks (register_full_backward_hook, register_full_backward_pre_hook) "
+            f"on {', '.join(hooked[:4])}{' and others' if len(hooked) > 4 else ''}: the backward is planned and runs as one "
+            "program, with no point between two modules' backwards. Hook tensors instead (Tensor.register_hook on an "
+            "input or output, Tensor.register_post_accumulate_grad_hook on a parameter), or remove the hook",
+            construct="module backward hook", fix="Tensor.register_hook / register_post_accumulate_grad_hook",
+        )
+
+
 def _shapes_key(base: tuple | None) -> str | None:
     """What a training program and the forward-only programs that evaluate it share, from a key's base (its
     last two parts: `_signature` and `extra_key`): the signature without requires_grad (grad mode, train/eval
@@ -365,8 +435,17 @@ def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     if "__reduce_ex__" in module.__dict__:
         return copy.copy(module)
     new = object.__new__(type(module))
-    new.__setstate__(module.__getstate__())
+    new.__setstate__(_module_state(module))
     return new
+
+
+def _module_state(module: torch.nn.Module) -> dict:
+    """`module.__getstate__()`; for a parametrized module (torch.nn.utils.parametrize gives it a class whose
+    `__getstate__` refuses, to stop pickling), the state its class had before: the shared parts a copy
+    needs, the parametrizations included, as `nn.Module.__getstate__` (a copy of `__dict__`) gives them."""
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        return super(type(module), module).__getstate__()
+    return module.__getstate__()
 
 
 class OptimizedFunction:
@@ -405,7 +484,7 @@ def optimize(
     on_mismatch: str = "error",
     deterministic: bool | None = None,
     chunking: bool | int | str | None = None,
-    start_from: BudgetInfeasibleError | Plan | None = None,
+    start_from: BudgetInfeasibleError | Plan | PlanFile | None = None,
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
 
@@ -473,7 +552,8 @@ def optimize(
     what was chosen; the plan's notes (chunking asked for) and a BudgetInfeasibleError say what was
     tried, or why no chain was found.
     start_from: a BudgetInfeasibleError an earlier optimize() of the same step raised (the lowest-peak plan
-    it found), or an earlier optimized step's `plan`: where this search starts (the plan is simulated
+    it found), an earlier optimized step's `plan`, or a plan file of the step (`optsched.load_plan(path)`,
+    in any process; one without a schedule is a ValueError): where this search starts (the plan is simulated
     again here and dropped if it is not a plan of this step). The search depends on the budget, so another
     budget may not find that plan by itself; with `mem_budget=err.lowest_peak_bytes, start_from=err` (or
     `plan.predicted_peak_bytes, start_from=plan`) a plan within that peak is certain, and a lower budget
@@ -518,9 +598,16 @@ def _start_plan(start_from: Any):
         return None
     if isinstance(start_from, Plan):
         return start_from.schedule
+    if isinstance(start_from, PlanFile):  # its offloads name tensors: the planner finds them (plans.reuse.start_schedule)
+        decisions = start_from.data.get("decisions") if isinstance(start_from.data, dict) else None
+        fields = (("fw_order", list), ("bw_order", list), ("offload", dict), ("ops", list))
+        if not isinstance(decisions, dict) or not all(isinstance(decisions.get(k), t) for k, t in fields):
+            raise ValueError(f"start_from: {start_from.path or 'this PlanFile'} holds no schedule (decisions.fw_order, "
+                             "bw_order, offload, ops); pass a plan file optsched wrote, read with optsched.load_plan")
+        return start_from
     if not isinstance(start_from, BudgetInfeasibleError):
-        raise TypeError(f"start_from must be a BudgetInfeasibleError raised by an earlier optimize() or an "
-                        f"optimized step's plan, got {type(start_from).__name__}")
+        raise TypeError(f"start_from must be a BudgetInfeasibleError raised by an earlier optimize(), an "
+                        f"optimized step's plan or a plan file (optsched.load_plan), got {type(start_from).__name__}")
     if start_from.lowest_schedule is None:
         raise ValueError("start_from: this BudgetInfeasibleError carries no plan (it came from a search that found "
                          "none, or from the distributed planner); plan without start_from")
@@ -590,16 +677,15 @@ def _rng_untouched():
 
 
 def _plan_now(target: Any, example_inputs: tuple) -> None:
-    """Compile (and so plan) by running one forward whose effects are undone."""
+    """Compile (and so plan) by running one forward whose effects are undone (state_snapshot)."""
     module = target if isinstance(target, torch.nn.Module) else None
-    buffers = {n: b.detach().clone() for n, b in module.named_buffers()} if module is not None else {}
-    with _rng_untouched():
-        out = target(*example_inputs)
-    del out
-    if module is not None:
-        with torch.no_grad():
-            for name, b in module.named_buffers():
-                b.copy_(buffers[name])
+    snapshot = StateSnapshot(module, example_inputs, skip=_INSTALLED)
+    try:
+        with _rng_untouched():
+            out = target(*example_inputs)
+        del out
+    finally:
+        snapshot.restore()
 
 
 def capture_problem(

@@ -223,6 +223,8 @@ THIS_PROGRAM = "this program"
 SAME_SHAPES = "the training program of the same shapes"
 LARGEST_TRAINING_PROGRAM = "the largest training program"
 FIRST_TRAINING_PROGRAM = "the first training program"  # files made before issue 24: its bytes for every program
+# a training program whose own share is below its proven bound, given the bytes of a larger one (issue 33)
+LARGER_TRAINING_PROGRAM = "a larger training program"
 AUTO_SOURCE = "the device's free memory at the first call"
 TRAINING_SHAPES_KEPT = 1024  # training signatures a resolution remembers the bytes of, the oldest forgotten first
 
@@ -244,6 +246,13 @@ class BudgetResolution:
     larger when two programs share shapes, e.g. with and without gradients to accumulate into) and carried
     by copies. `shapes` is the key of a signature (the Dispatcher's, `for_shapes`); None (plan_offline)
     records no signature, and a forward-only program then takes the largest training program's bytes.
+
+    A smaller shape may use the bytes already given to a larger shape of the same program: a training
+    program whose own share is below its proven bound (no plan can fit it: at a small last batch the
+    parameters and gradients, which do not shrink with the batch, dominate the peak) takes the bytes of the
+    largest training program planned so far when they are not below that bound (`lend_larger`,
+    `LARGER_TRAINING_PROGRAM`): memory the loop has already been allowed. With no larger one planned yet (the
+    small shape first) it raises, saying so (`explain_below_bound`).
 
     "auto" is resolved once, at the first call, before anything is captured (`resolve_auto`), from the
     device's memory then; from then on it means those bytes for every program. Budgets in bytes (and no
@@ -310,6 +319,47 @@ class BudgetResolution:
         if self.largest is not None:
             return LARGEST_TRAINING_PROGRAM, self.largest
         return None
+
+    def fixed_bytes(self, training: bool = True, shapes: str | None = None) -> int | None:
+        """The bytes a program gets whatever its own peak, known before its ops are timed: bytes given, "auto"
+        resolved, a forward-only program's lender's. None for no budget and for a share of its own peak."""
+        if self.budget.auto:
+            return self.nbytes
+        if self.budget.fraction is None:
+            return self.budget.nbytes
+        lender = self.lender(training, shapes)
+        return lender[1]["bytes"] if lender is not None else None
+
+    def lend_larger(self, own_bytes: int, bound_bytes: int, training: bool = True) -> dict | None:
+        """Under a percentage, for a training program whose own share (`own_bytes`) is below its proven bound
+        (`bound_bytes`): the record of the largest training program planned so far ({"bytes",
+        "unplanned_peak_bytes", "fingerprint"}) when its bytes are not below that bound; else None (raise)."""
+        if self.budget.fraction is None or not training or own_bytes >= bound_bytes or self.largest is None:
+            return None
+        return self.largest if self.largest["bytes"] >= bound_bytes else None
+
+    def explain_lent(self, record: dict, own_bytes: int, bound_bytes: int, unplanned_peak_bytes: int) -> str:
+        """How a training program came to plan with a larger one's bytes (`lend_larger`), for its notes."""
+        mib = 2**20
+        spec = self.budget.spec
+        return (
+            f"budget: {spec} of this training program's unplanned peak ({unplanned_peak_bytes / mib:.2f} MiB) is "
+            f"{own_bytes / mib:.2f} MiB, below the {bound_bytes / mib:.2f} MiB every plan of it needs; planned with "
+            f"{record['bytes'] / mib:.2f} MiB, the bytes {spec} gave {LARGER_TRAINING_PROGRAM} of this callable "
+            f"(unplanned peak {record['unplanned_peak_bytes'] / mib:.2f} MiB): memory the loop was already allowed"
+        )
+
+    def explain_below_bound(self, own_bytes: int, bound_bytes: int, training: bool = True) -> str | None:
+        """For the error of a training program whose own share is below its bound and that took no larger
+        program's bytes: why not (none planned yet, or theirs are below the bound too). None otherwise."""
+        if self.budget.fraction is None or not training or own_bytes >= bound_bytes:
+            return None
+        mib = 2**20
+        if self.largest is None or self.largest["bytes"] <= own_bytes:
+            return ("no larger training program of this callable was planned before this one: a smaller shape whose "
+                    "own share is below its bound takes the bytes a larger shape was given, once one is planned")
+        return (f"the most bytes {self.budget.spec} gave a training program of this callable, "
+                f"{self.largest['bytes'] / mib:.2f} MiB, are below this bound too")
 
     def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int | None:
         """The budget of a program with this unplanned peak (`training`: it has a backward)."""
@@ -434,6 +484,9 @@ class SignatureResolution:
 
     def bytes_for(self, unplanned_peak_bytes: int, training: bool = True) -> int | None:
         return self.shared.bytes_for(unplanned_peak_bytes, training, self.shapes)
+
+    def fixed_bytes(self, training: bool = True) -> int | None:
+        return self.shared.fixed_bytes(training, self.shapes)
 
     def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True) -> dict | None:
         return self.shared.source(unplanned_peak_bytes, fingerprint, training, self.shapes)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .budget import Budget, BudgetResolution
+from .budget import LARGER_TRAINING_PROGRAM, Budget, BudgetResolution
 from .capture.fingerprint import fingerprint
 from .capture.joint_graph import JointGraph, build_joint_graph
 from .capture.output_usage import OutputUsage
@@ -50,13 +50,16 @@ from .passes.chunking import Chain, chunk, copy_graph, find_chains, why_no_chain
 from .plans.cache import accumulation_path, find_plan_file, plan_path, save_or_warn
 from .plans.file_format import PlanFile, PlanMismatchError
 from .plans.plan import Plan
-from .plans.reuse import plan_from_file
+from .plans.reuse import plan_from_file, start_schedule
 from .progress import LiveLine
 from .settings import PlanningSettings
-from .solvers import BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, default_schedule, simulate, solve
+from .solvers import (
+    BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, TensorKind, default_schedule, simulate, solve,
+)
 from .solvers.model import clock
 from .solvers.model.problem import FusionOption, convexity_violation
 from .solvers.search.fusion_groups import find_groups, fuse_ops, merge_formed
+from .solvers.search.heuristics import lower_bound_peak
 from .user_checkpoint import reference_peak, solve_within_user_checkpointing
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
@@ -143,6 +146,16 @@ class Target:
         )
 
 
+@dataclass(frozen=True)
+class Floor:
+    """Peaks proven before any op is timed or fusion group compiled (`Planner.floor`): they hold whatever
+    the measured costs and whichever fusion groups are formed."""
+
+    bound: int  # no plan of the graph as captured goes below it
+    resident: int  # parameters, buffers, the batch, unread state and the step's outputs (gradients): any graph of the step
+    unplanned: int  # the graph as captured, unplanned, kernel scratch not counted
+
+
 class ScratchNotMeasuredWarning(UserWarning):
     """A plan made while another profiler ran: kernel scratch space is unknown (counted as 0)."""
 
@@ -181,6 +194,9 @@ class Planner:
         self.grads_at_start = grads_at_start  # an accumulation step (api.grads_at_start)
         self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
         self.unread_state: list[tuple[str, int]] = []  # the module's state the program does not read (see hold_inputs)
+        self._lent: dict | None = None  # this program's budget: a larger training program's bytes (_lend_larger)
+        self._lent_note: str | None = None
+        self._reach: Callable[[int], int] | None = None  # chunking="auto": the chunked graphs' floor (_solve_graph_timed)
 
     def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
@@ -207,6 +223,7 @@ class Planner:
         """The plan for this graph and, per op of its problem, the node or fusion group it runs: from
         the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
         fp = fingerprint(gm)
+        self._lent, self._lent_note = None, None  # a larger training program's bytes, when this one takes them
         # the cache keys the chunking setting too: a plan chunked under chunking=True is not replayed without it
         path = plan_path(self.settings.plan_spec, fp["hash"],
                          {**self.made_for(name), "chunk_counts": self.settings.chunk_key})
@@ -216,7 +233,7 @@ class Planner:
         if pf is None and path is not None:  # plan=PATH: PATH, or the file beside it for this graph (plans.cache)
             path, pf = find_plan_file(path, fp, cached=self.settings.plan_spec == "auto")
         if pf is not None:
-            mismatch = pf.describe_mismatch(fp, **self.made_for(name))
+            mismatch, lent = self._mismatch(pf, fp, name)
             recorded = pf.data["made_for"].get("outputs")
             if mismatch is None and usage is not None and recorded is not None and self.observed_usage is None:
                 usage = OutputUsage.parse(recorded)  # our guess, against what the file's run saw the caller do
@@ -234,8 +251,8 @@ class Planner:
                 self._record_budget(plan, fp, items)
                 self.on_plan(plan)
                 return plan, items
-            if mismatch is None:
-                pass  # the caller now uses the outputs otherwise than when the file was made: plan again
+            if mismatch is None or lent:
+                pass  # the caller now uses the outputs otherwise, or the loop lends other bytes: plan again
             elif self.settings.on_mismatch == "error":
                 raise PlanMismatchError(
                     f"plan file {path} does not match: {mismatch}. Pass on_mismatch='replan' to plan again and "
@@ -266,6 +283,108 @@ class Planner:
                 "device_profile": t.profile.name, "executor": t.executor.name, "offload": t.offload,
                 "grads_at_start": self.grads_at_start and name == "training step",
                 **self.resolution.made_for(training=name == "training step")}
+
+    def floor(self, jg: JointGraph, usage: OutputUsage | None = None) -> Floor:
+        """The graph's floor, before its ops are timed: its problem as the most favourable measurement would
+        make it (no kernel scratch, every in-place write profiling could allow: a superset of the plans of any
+        measured problem, so its bound is below theirs), with the executor's vertical fusion groups offered as
+        fusion options (their inner values count 0 for any subset formed, as merged groups' do; horizontal
+        candidates, ops of one depth, hide no value). Tens of milliseconds on the 4-layer GPT."""
+        t = self.target
+        favourable = NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True))
+        built = build_problem(jg, t.profile, name="floor", measured=favourable, offload=t.offload,
+                              host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
+                              grads_at_start=self.grads_at_start, unread_state=self.unread_state)
+        p = built.problem
+        fusible = [t.executor.can_fuse(n) and not _reads_tangent(jg, n) for n in built.nodes]
+        groups = find_groups(p, fusible)
+        if groups:
+            p = dataclasses.replace(p, fusion_options=tuple(FusionOption(tuple(g), 0.0) for g in groups))
+        inputs = sum(x.bytes for x in p.tensors if x.kind is TensorKind.INPUT)
+        outputs = sum(p.tensors[i].bytes for i in p.outputs if p.tensors[i].kind is not TensorKind.INPUT)
+        return Floor(lower_bound_peak(p), inputs + outputs, simulate(p, default_schedule(p)).peak_bytes)
+
+    def _counts_tried(self, chains: list[Chain]) -> tuple[int, ...]:
+        """The chunk counts this planning tries (1: the graph as captured)."""
+        if not chains:
+            return (1,)
+        return CHUNK_COUNTS if self.settings.chunk_when_needed else self.settings.chunk_counts
+
+    def _chunk_floors(self, gm: fx.GraphModule, jg: JointGraph, usage: OutputUsage | None, counts: Iterable[int],
+                      budget: int, floor: Floor | None = None) -> dict[int, int]:
+        """Per chunk count (1: the graph as captured), its graph's floor, until one is at or below `budget` (then
+        the rest are not needed). Below the resident bytes no chunked graph is built: they bound every count
+        (chunking rewrites the head's inside, not the step's inputs and outputs)."""
+        floor = floor or self.floor(jg, usage)
+        out: dict[int, int] = {}
+        for k in counts:
+            if k == 1:
+                out[k] = floor.bound
+            elif budget < floor.resident:
+                out[k] = floor.resident
+            else:
+                g = copy_graph(gm)
+                chunk(g, k)
+                out[k] = self.floor(build_joint_graph(g, jg.num_fwd_outputs), usage).bound
+            if out[k] <= budget:
+                break
+        return out
+
+    def _reach_of_chunking(self, gm: fx.GraphModule, jg: JointGraph, usage: OutputUsage | None, budget: int,
+                           floor: Floor | None = None) -> tuple[int, int]:
+        """(the lowest floor of the chunked graphs, at or below `budget` when one is; the resident bytes): the
+        error of the graph as captured with chunking off suggests chunking only where it might reach the budget."""
+        floor = floor or self.floor(jg, usage)
+        return min(self._chunk_floors(gm, jg, usage, CHUNK_COUNTS[1:], budget, floor).values()), floor.resident
+
+    def _refuse_below_floor(self, gm: fx.GraphModule, jg: JointGraph, usage: OutputUsage | None, chains: list[Chain],
+                            skipped: list[str], asked: bool) -> None:
+        """Raise the proven BudgetInfeasibleError before any op is timed, fusion group compiled or search run when
+        the budget's bytes are known already (bytes, "auto", a forward-only program's lender's) and below the floor
+        of every graph this planning would try: the graph as captured, its chunked graphs where chunking is on
+        (issue 33: a 1000-byte budget on the 4-layer GPT timed its ops and searched for 11-50 s to say so)."""
+        budget = self.resolution.fixed_bytes(training=jg.is_training)
+        if budget is None:
+            return
+        floor = self.floor(jg, usage)
+        counts = self._counts_tried(chains)
+        if 1 in counts and budget >= floor.bound:
+            return
+        floors = self._chunk_floors(gm, jg, usage, counts, budget, floor)
+        if min(floors.values()) <= budget:
+            return
+        if chains:
+            failures = [(k, BudgetInfeasibleError(budget, floor.unplanned, b, searched=False)) for k, b in floors.items()]
+            e = _chunked_infeasible(budget, failures, [c.name for c in chains], self.settings.chunking,
+                                    resident=floor.resident)
+        else:
+            e = BudgetInfeasibleError(budget, floor.unplanned, floor.bound, searched=False)
+            if jg.is_training and not asked:
+                chains, skipped = find_chains(gm)
+            reach = self._reach_of_chunking(gm, jg, usage, budget, floor) if chains and not asked else None
+            _say_why_not_chunked(e, gm, chains, skipped, self.settings.chunking, asked, reach)
+        how = self.resolution.explain(floor.unplanned, training=jg.is_training)
+        if how is not None:
+            e.args = (f"{e.args[0]}; {how}",)
+        raise e
+
+    def _lend_larger(self, own: int | None, reference: int, training: bool, bound: Callable[[], int]) -> int | None:
+        """A training program whose own share of a percentage (`own`) is below its proven bound (`bound()`, computed
+        only when a larger program's bytes could be lent) plans with the bytes of the largest training program
+        planned so far (BudgetResolution.lend_larger): recorded for its plan (`_lent`, a note)."""
+        r = self.resolution
+        largest = r.largest if own is not None and training and r.is_percentage else None
+        if largest is None or largest["bytes"] <= own:
+            return own
+        lower = bound()
+        record = r.lend_larger(own, lower, training)
+        if record is None:
+            return own
+        self._lent = {"program": LARGER_TRAINING_PROGRAM, "unplanned_peak_bytes": record["unplanned_peak_bytes"],
+                      "fingerprint": record["fingerprint"], "bytes": record["bytes"], "own_bytes": own,
+                      "own_bound_bytes": lower}
+        self._lent_note = r.explain_lent(record, own, lower, reference)
+        return record["bytes"]
 
     def fuse(
         self, jg: JointGraph, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None, *,
@@ -301,15 +420,19 @@ class Planner:
     def _solve_graph_timed(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None,
                            ) -> tuple[Plan, list]:
         t = self.target
+        chunking, when_needed = self.settings.chunking, self.settings.chunk_when_needed
+        asked = jg.is_training and (when_needed or self.settings.chunk_counts != (1,))  # "auto", True, a count > 1
+        chains, skipped = find_chains(gm) if asked else ([], [])  # chunking off: looked for only if nothing fits
+        self._refuse_below_floor(gm, jg, usage, chains, skipped, asked)  # before any op is timed
+        # "auto": the captured graph's own share is provably out of reach only where no chunk count reaches it either
+        self._reach = (lambda own: min(self._chunk_floors(gm, jg, usage, CHUNK_COUNTS[1:], own).values())
+                       ) if chains and when_needed else None
         costs = self.costs(gm, jg)
         built = build_problem(
             jg, t.profile, name=name, measured=costs,
             offload=t.offload, host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
             grads_at_start=self.grads_at_start, unread_state=self.unread_state,
         )
-        chunking, when_needed = self.settings.chunking, self.settings.chunk_when_needed
-        asked = jg.is_training and (when_needed or self.settings.chunk_counts != (1,))  # "auto", True, a count > 1
-        chains, skipped = find_chains(gm) if asked else ([], [])  # chunking off: looked for only if nothing fits
         if chains and not when_needed:
             plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains)
         else:
@@ -323,7 +446,8 @@ class Planner:
                 else:
                     if jg.is_training and not asked:
                         chains, skipped = find_chains(gm)
-                    _say_why_not_chunked(e, gm, chains, skipped, chunking, asked)
+                    reach = self._reach_of_chunking(gm, jg, usage, e.budget_bytes) if chains and not asked else None
+                    _say_why_not_chunked(e, gm, chains, skipped, chunking, asked, reach)
                     raise
             if asked and not chains:
                 plan.stats.notes.append(f"chunking: no LM head + cross-entropy chain found: {why_no_chain(gm, skipped)}")
@@ -367,8 +491,10 @@ class Planner:
             budget_bytes = None
         baseline = simulate(built.problem, default_schedule(built.problem))
         reference = reference_peak(built.problem, list(built.nodes), baseline)  # the user's checkpointing, if any
-        if budget_bytes is None:
-            budget_bytes = self.resolution.bytes_for(reference)
+        own = self.resolution.bytes_for(reference)  # a training program's own share (or the budget's bytes)
+        if budget_bytes is None:  # below every count's floor, a smaller shape takes the bytes given to a larger one
+            budget_bytes = self._lend_larger(own, reference, True, lambda: min(
+                self._chunk_floors(gm, jg, usage, counts, own).values()))
         tried: list[tuple[int, Plan | None, list, fx.GraphModule | None, JointGraph | None]] = []
         failures: list[tuple[int, BudgetInfeasibleError]] = []
         if captured is not None:
@@ -405,7 +531,10 @@ class Planner:
         names = [c.name for c in chains]
         if best is None:
             e = _chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self._time.limit, untried)
-            how = self.resolution.explain(reference)  # a training program's
+            how = self._lent_note or self.resolution.explain(reference)  # a training program's
+            below = self.resolution.explain_below_bound(own, e.lower_bound_bytes) if e.proven and not self._lent else None
+            if how is not None and below is not None:
+                how = f"{how}; {below}"
             if how is not None:
                 e.args = (f"{e.args[0]}; {how}",)
             e.args = (e.args[0] + _start_from_note(e),)
@@ -420,9 +549,11 @@ class Planner:
             for c in tried) + f"; chose {k}" + (
             f"; not tried (time limit spent): {', '.join(map(str, untried))}" if untried else ""))
         if captured is not None:
+            why = (f"lowest peak found {captured.lowest_peak_bytes / mib:.2f} MiB" if captured.searched else
+                   f"every plan of it needs {captured.lower_bound_bytes / mib:.2f} MiB")
             plan.stats.notes.append(
-                f"chunking='auto': the graph as captured does not fit {budget_bytes / mib:.2f} MiB (lowest peak "
-                f"found {captured.lowest_peak_bytes / mib:.2f} MiB), so {', '.join(names)} runs in {k} token chunks: "
+                f"chunking='auto': the graph as captured does not fit {budget_bytes / mib:.2f} MiB ({why}), so "
+                f"{', '.join(names)} runs in {k} token chunks: "
                 "its gradients equal eager's to rounding, not bitwise (the weight's gradient is summed chunk by chunk)")
         plan.chunk_trials = [
             {"chunks": c[0], "fits": c[1] is not None, "predicted_peak_bytes": c[1].sim.peak_bytes if c[1] else None,
@@ -546,23 +677,36 @@ class Planner:
         baseline = simulate(problem, default_schedule(problem))
         explained = budget_bytes is None  # the program's own budget (not a chunk trial's): say how it was reached
         reference = reference_peak(problem, items, baseline)
+        own = None
         if budget_bytes is None:
-            budget_bytes = self.resolution.bytes_for(reference, training=problem.has_backward)
+            own = self.resolution.bytes_for(reference, training=problem.has_backward)
+
+            def bound() -> int:  # "auto": below the chunked graphs' floors too, or chunking may meet the share
+                lower = lower_bound_peak(problem)
+                return lower if lower <= own or self._reach is None else min(lower, self._reach(own))
+
+            # below its bound, a smaller shape takes the bytes already given to a larger one
+            budget_bytes = self._lend_larger(own, reference, problem.has_backward, bound)
         limit = self.settings.time_limit_s
         if limit is None:  # grows with the graph: planning stays a small share of compile time
             limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
         progress = LiveLine() if self.settings.progress else False
         account = getattr(self, "_time", None) or _PlanningTime()
         limit, start = account.slice(limit), clock.now()
+        hint = start_schedule(self.settings.start_from, problem)
         # checkpointing already in the model caps the budget: never above the user's own plan
         try:
             budget_bytes, sol = solve_within_user_checkpointing(
                 problem, items, budget_bytes, lambda b: solve(
                     problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning,
-                    hint=self.settings.start_from)
+                    hint=hint)
             )
         except BudgetInfeasibleError as e:
-            how = self.resolution.explain(reference, training=problem.has_backward) if explained else None
+            how = (self._lent_note or self.resolution.explain(reference, training=problem.has_backward)) if explained else None
+            below = self.resolution.explain_below_bound(own, e.lower_bound_bytes, problem.has_backward) \
+                if explained and e.proven and self._lent is None else None
+            if below is not None:
+                how = f"{how}; {below}"
             if how is not None and reference != baseline.peak_bytes:
                 how += (f" (the model's own activation checkpointing: its step peaks at {_mib(reference)}, the "
                         f"captured program with every activation saved at {_mib(baseline.peak_bytes)})")
@@ -591,8 +735,24 @@ class Planner:
         )
 
     def _carried_plan(self, fp: dict, name: str) -> PlanFile | None:
+        return next((pf for pf in self.carried.get(fp["hash"], ()) if self._mismatch(pf, fp, name)[0] is None), None)
+
+    def _mismatch(self, pf: PlanFile, fp: dict, name: str) -> tuple[str | None, bool]:
+        """What makes `pf` not this program's plan (None: it is), and whether it was made with the bytes a larger
+        training program lent (`BudgetResolution.lend_larger`). Such a plan is this program's while the loop
+        lends the same bytes (then `_lent` is set, for `_record_budget`); otherwise the program is planned
+        again, with no PlanMismatchError: what differs is the loop's history, not the settings."""
         wanted = self.made_for(name)
-        return next((pf for pf in self.carried.get(fp["hash"], ()) if pf.describe_mismatch(fp, **wanted) is None), None)
+        made = pf.data["made_for"]
+        if made.get("budget_from") != LARGER_TRAINING_PROGRAM or not self.resolution.is_percentage:
+            return pf.describe_mismatch(fp, **wanted), False
+        largest = self.resolution.largest
+        lent = {**wanted, "budget_from": LARGER_TRAINING_PROGRAM,
+                "budget_resolved_bytes": largest["bytes"] if largest is not None else None}
+        mismatch = pf.describe_mismatch(fp, **lent)
+        if mismatch is None:
+            self._lent = dict(made.get("budget_reference") or {})
+        return mismatch, True
 
     def _record_budget(self, plan: Plan, fp: dict, items: list | None) -> None:
         """How the budget was resolved, on the plan; a training program records a percentage's bytes for
@@ -600,7 +760,9 @@ class Planner:
         forward-only programs of its shapes take (BudgetResolution)."""
         peak = reference_peak(plan.problem, items, plan.baseline)
         training = plan.kind == "training"
-        plan.budget_from = self.resolution.source(peak, fp["hash"], training=training)
+        plan.budget_from = dict(self._lent) if self._lent else self.resolution.source(peak, fp["hash"], training=training)
+        if self._lent_note is not None and self._lent_note not in plan.stats.notes:
+            plan.stats.notes.append(self._lent_note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
 
@@ -639,27 +801,37 @@ def _start_from_note(e: BudgetInfeasibleError) -> str:
 
 
 def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfeasibleError]], names: list[str],
-                        chunking, time_limit_s: float | None = None, untried: list[int] = ()) -> BudgetInfeasibleError:
+                        chunking, time_limit_s: float | None = None, untried: list[int] = (),
+                        resident: int | None = None) -> BudgetInfeasibleError:
     """No chunk count tried fits: one error for all of them. Each count's bound holds for its own graph's plans
     only, so the bound of all is the lowest of theirs, and "none can" covers the counts tried, no others.
-    `untried`: counts the spent time limit left out (then a larger limit may find a plan)."""
+    `untried`: counts the spent time limit left out (then a larger limit may find a plan). `resident`: what
+    every count keeps on the device all step (Floor.resident), named when the budget is below it."""
     low = min((e for _, e in failures), key=lambda e: e.lowest_peak_bytes)
     bound = min(e.lower_bound_bytes for _, e in failures)
     timed = [e for _, e in failures if isinstance(e, PlanningTimeLimitError)]
+    searched = any(x.searched for _, x in failures)
     if (timed or untried) and budget_bytes >= bound:
         e = PlanningTimeLimitError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule,
                                    elapsed_s=sum(x.elapsed_s or 0 for _, x in failures),
                                    time_limit_s=time_limit_s or failures[0][1].time_limit_s)
     else:
-        e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule)
+        e = BudgetInfeasibleError(budget_bytes, low.lowest_peak_bytes, bound, low.lowest_schedule, searched=searched)
     counts = [k for k, _ in failures]
     heads = ", ".join(names)
     if len(counts) == 1:
         scope = f"{heads} in {counts[0]} chunk{'s' if counts[0] > 1 else ''} (chunking={chunking!r}: no other count tried)"
     else:
         scope = f"{heads} in {', '.join(map(str, counts))} chunks (each count chunking chooses from)"
-    per = "; ".join(f"{k}: {_mib(x.lowest_peak_bytes)}" for k, x in failures)
-    if e.proven:
+    per = "; ".join(f"{k}: {_mib(x.lowest_peak_bytes)}" if x.searched else f"{k}: none searched, below its bound "
+                    f"{_mib(x.lower_bound_bytes)}" for k, x in failures)
+    if e.proven and not searched:
+        kept = "" if resident is None or budget_bytes >= resident else (
+            f": the parameters, buffers, inputs and the step's outputs (gradients) alone take {_mib(resident)} "
+            "whatever the chunk count")
+        text = (f"no plan fits {_mib(budget_bytes)}, and none can with {scope}: every such plan needs at least "
+                f"{_mib(bound)} (refused before any search{kept})")
+    elif e.proven:
         text = (f"no plan fits {_mib(budget_bytes)}, and none can with {scope}: every such plan needs at least "
                 f"{_mib(bound)} (lowest peak found per chunk count: {per})")
     elif isinstance(e, PlanningTimeLimitError):
@@ -675,11 +847,21 @@ def _chunked_infeasible(budget_bytes: int, failures: list[tuple[int, BudgetInfea
 
 
 def _say_why_not_chunked(e: BudgetInfeasibleError, gm: fx.GraphModule, chains: list[Chain], skipped: list[str],
-                         chunking, asked: bool) -> None:
+                         chunking, asked: bool, reach: tuple[int, int] | None = None) -> None:
     """The error of a graph planned as captured says what chunking could have done: with chunking off (the
     default, False, or 1) and a chain, that its bound is the captured graph's only (chunked plans are not
-    covered); with chunking asked for, or a cross-entropy refused, why no chain was found."""
-    if chains and not asked:
+    covered), unless chunking cannot reach the budget either (`reach`: the chunked graphs' lowest floor and
+    the resident bytes, Planner._reach_of_chunking); with chunking asked for, or a cross-entropy refused, why
+    no chain was found."""
+    if chains and not asked and reach is not None and e.budget_bytes < reach[0]:
+        lowest, resident = reach
+        heads = ", ".join(c.name for c in chains)
+        why = (f"the parameters, buffers, inputs and the step's outputs (gradients) alone take {_mib(resident)}, "
+               "whatever the chunk count" if e.budget_bytes < resident else
+               f"with {heads} in {', '.join(map(str, CHUNK_COUNTS[1:]))} token chunks every plan needs at least "
+               f"{_mib(lowest)}")
+        e.args = (f"{e.args[0]}; chunking cannot reach it either: {why}",)
+    elif chains and not asked:
         text = e.args[0].replace(", and none can: every plan",
                                  ", and none can with the LM head + cross-entropy as captured: every such plan")
         heads = ", ".join(f"{c.name} ({c.shape[0]} tokens, vocabulary {c.shape[2]})" for c in chains)

@@ -11,6 +11,7 @@ from .budget import Budget
 
 if TYPE_CHECKING:
     from .costs.profiles import DeviceProfile
+    from .plans.file_format import PlanFile
     from .solvers import Schedule
 
 
@@ -29,7 +30,7 @@ class PlanningSettings:
     on_mismatch: str = "error"
     deterministic: bool | None = None
     chunking: bool | int | str | None = None
-    start_from: Schedule | None = field(default=None, compare=False)  # offered to every solve first (a hint)
+    start_from: Schedule | PlanFile | None = field(default=None, compare=False)  # offered to every solve first (a hint)
 
     @property
     def chunk_counts(self) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import torch
 
 import optsched
 from benchmarks.models import gpt
-from optsched.budget import LARGEST_TRAINING_PROGRAM, SAME_SHAPES, THIS_PROGRAM
+from optsched.budget import LARGER_TRAINING_PROGRAM, LARGEST_TRAINING_PROGRAM, SAME_SHAPES, THIS_PROGRAM
 from optsched.costs.measure import live_bytes, measure_peak
 from optsched.measure import measure_training_step
 
@@ -123,3 +123,55 @@ def test_a_forward_only_program_before_any_training_takes_its_own_share():
     s = opt.plan.summary()
     assert (s["kind"], s["budget_from"]) == ("inference", THIS_PROGRAM)
     assert s["budget_bytes"] == s["unplanned_peak_bytes"]
+
+
+SMALL = gpt.GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)  # weights dominate small batches
+
+
+def _small_step(opt, model, eager, batch: int) -> dict:
+    """One step of batch `batch`: planned, measured within its bytes, eager's loss and gradients bitwise."""
+    inputs = gpt.make_batch(SMALL, batch_size=batch, seed=batch)
+    opt(*inputs).backward()  # plans (outside the measurement)
+    got = measure_training_step(opt, model, inputs)
+    loss = eager(*inputs)
+    loss.backward()
+    s = opt.plan.summary()
+    assert s["predicted_peak_bytes"] <= s["budget_bytes"] and got.peak_bytes <= s["budget_bytes"], (batch, s)
+    torch.testing.assert_close(got.loss, loss.detach(), rtol=0, atol=0)
+    assert got.grads.keys() == {n for n, _ in eager.named_parameters()}
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(got.grads[name], p.grad, rtol=0, atol=0, msg=f"{name} at batch {batch}")
+    eager.zero_grad(set_to_none=True)
+    return s
+
+
+def test_a_small_last_batch_takes_the_bytes_a_larger_batch_was_given(tmp_path, monkeypatch):
+    """Issue 33: at "60%" batches of 1 and 2 fall below their bound (the weights and their gradients, which do not
+    shrink with the batch, dominate their peak) and raised BudgetInfeasibleError, ending the loop. After batch 8
+    they plan with the bytes batch 8 was given: each step within them, eager's gradients; the plan says which
+    bytes and why, and plan="auto" replays it. With no larger batch planned yet, the error says so."""
+    monkeypatch.setenv("OPTSCHED_CACHE_DIR", str(tmp_path))
+    model = gpt.build(SMALL)
+    eager = copy.deepcopy(model)
+    options = dict(device_profile="cpu", time_limit_s=2, deterministic=True, plan="auto")
+    opt = optsched.optimize(model, "60%", **options)
+    large = _small_step(opt, model, eager, 8)
+    assert large["budget_from"] == THIS_PROGRAM and large["budget_bytes"] == int(0.6 * large["unplanned_peak_bytes"])
+    for batch in (1, 2):
+        s = _small_step(opt, model, eager, batch)
+        assert int(0.6 * s["unplanned_peak_bytes"]) < s["lower_bound_bytes"], (batch, s)  # its own share: none can
+        assert (s["budget_from"], s["budget_bytes"]) == (LARGER_TRAINING_PROGRAM, large["budget_bytes"]), batch
+        assert s["budget_reference_peak_bytes"] == large["unplanned_peak_bytes"]
+        assert any(n.startswith("budget: 60% of this training program's unplanned peak") and "memory the loop was "
+                   "already allowed" in n for n in opt.plan.stats.notes), opt.plan.stats.notes
+
+    again = optsched.optimize(model, "60%", **options)  # the small batch first: nothing larger known
+    with pytest.raises(optsched.BudgetInfeasibleError) as info:
+        again(*gpt.make_batch(SMALL, batch_size=1, seed=1)).backward()
+    assert info.value.proven and "no larger training program of this callable was planned before this one" in \
+        str(info.value), str(info.value)
+    for batch in (8, 1):  # then the plan file made with batch 8's bytes is replayed
+        again(*gpt.make_batch(SMALL, batch_size=batch, seed=batch)).backward()
+        model.zero_grad(set_to_none=True)
+        assert any(n.startswith("loaded from") for n in again.plan.stats.notes), batch
+    assert (again.plan.summary()["budget_from"], again.plan.budget_bytes) == (LARGER_TRAINING_PROGRAM, large["budget_bytes"])

@@ -216,22 +216,55 @@ def test_a_graph_with_other_ops_is_a_mismatch_naming_the_node(tmp_path):
     assert "tanh" in json.dumps(optsched.load_plan(path).fingerprint["nodes"])
 
 
+def _plan_like(path: Path, size: int = 1000) -> Path:
+    """A file of `size` bytes that begins as plan files do (what the bounds may remove)."""
+    head = '{"schema": "optsched.plan", "pad": "'
+    path.write_text(head + "x" * (size - len(head) - 2) + '"}')
+    return path
+
+
 def test_files_beside_a_plan_path_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
     from optsched.plans import cache
 
     monkeypatch.setattr(cache, "SHAPES_PER_PATH", 3)
-    main = tmp_path / "gpt.json"
-    main.write_text("{}")
-    other = tmp_path / "other.0123456789ab.json"
-    other.write_text("{}")
+    main = _plan_like(tmp_path / "gpt.json")
+    other = _plan_like(tmp_path / "other.0123456789ab.json")
     beside = [cache.shape_path(main, f"{i:012x}") for i in range(5)]
     for i, p in enumerate(beside):
-        p.write_text("{}")
+        _plan_like(p)
         os.utime(p, (1000 + i, 1000 + i))
     os.utime(beside[0], (5000, 5000))  # replayed last: kept
+    users = tmp_path / "gpt.0123456789ab.json"  # the user's, named like a plan beside gpt.json: not counted, kept
+    users.write_text('{"lr": 0.1}')
+    os.utime(users, (1, 1))
     removed = cache.prune_shapes(beside[1])  # just written: kept
     assert sorted(removed) == sorted([beside[2], beside[3]])
     assert main.exists() and other.exists() and all(p.exists() for p in (beside[0], beside[1], beside[4]))
+    assert users.read_text() == '{"lr": 0.1}'
+
+
+def test_the_bounds_never_remove_a_users_files_named_like_plans(tmp_path, monkeypatch):
+    """Issue 33 item 4: a user's JSON named like a cache file, a stale-looking `.NAME.xxxxxxxx.tmp` of theirs and
+    their mlp.0123456789ab.json beside mlp.json (not plans) survive pruning; real plan files are pruned."""
+    from optsched.plans import cache
+
+    monkeypatch.setenv("OPTSCHED_CACHE_MAX_FILES", "1")
+    monkeypatch.setattr(cache, "SHAPES_PER_PATH", 1)
+    long_ago = time.time() - 7200
+    users = [tmp_path / "0123456789abcdef0123-0123456789ab.json", tmp_path / "mlp.0123456789ab.json",
+             tmp_path / ".0123456789abcdef0123-0123456789ab.json.abcd1234.tmp"]
+    for p in users:
+        p.write_text('{"mine": true}')
+        os.utime(p, (long_ago, long_ago))
+    main = _plan_like(tmp_path / "mlp.json")
+    plans = [_plan_like(tmp_path / f"{i:020x}-{i:012x}.json") for i in range(3)]
+    plans += [_plan_like(cache.shape_path(main, f"{i:012x}")) for i in range(3)]
+    for i, p in enumerate(plans):
+        os.utime(p, (long_ago + i, long_ago + i))
+    assert sorted(cache.prune_cache(tmp_path, keep=plans[2])) == sorted(plans[:2])
+    assert sorted(cache.prune_shapes(plans[5])) == sorted(plans[3:5])
+    assert all(p.read_text() == '{"mine": true}' for p in users)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [*users, main, plans[2], plans[5]])
 
     model, inputs = _gpt()
     opt = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2)
@@ -279,29 +312,33 @@ def test_temporary_files_of_killed_writers_are_removed_at_the_next_write(tmp_pat
     temps = sorted(tmp_path.glob(".p.json.*.tmp"))
     assert len(temps) == 3 and not path.exists()
     host = _host()
-    assert all(re.fullmatch(rf"\.p\.json\.[0-9]+@{host}\.[a-z0-9_]{{8}}\.tmp", t.name) for t in temps), temps
-    live = tmp_path / f".p.json.{os.getpid()}@{host}.live1234.tmp"  # this process, writing now
+    assert all(re.fullmatch(rf"\.p\.json\.optsched\.[0-9]+@{host}\.[a-z0-9_]{{8}}\.tmp", t.name) for t in temps), temps
+    live = tmp_path / f".p.json.optsched.{os.getpid()}@{host}.live1234.tmp"  # this process, writing now
     live.write_text("")
-    old = tmp_path / ".p.json.abcd1234.tmp"  # an older version's name (no pid): stale after an hour
+    long_ago = time.time() - 7200
+    old = tmp_path / ".p.json.optsched.abcd1234.tmp"  # ours without a pid (a long name): stale after an hour
     old.write_text("")
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
-    fresh = tmp_path / ".p.json.abcd5678.tmp"  # no pid and new: maybe a live writer's, kept
+    older = _plan_like(tmp_path / ".p.json.4242@elsewhere.abcd1234.tmp")  # an older optsched's name: ours by content
+    users = tmp_path / ".p.json.abcd4321.tmp"  # named alike, but empty: maybe the user's, never removed
+    users.write_text("")
+    for p in (old, older, users):
+        os.utime(p, (long_ago, long_ago))
+    fresh = tmp_path / ".p.json.optsched.abcd5678.tmp"  # no pid and new: maybe a live writer's, kept
     fresh.write_text("")
-    not_ours = tmp_path / ".q.json.abcd1234.tmp"  # another file's temporary file: not this write's business
+    not_ours = tmp_path / ".q.json.optsched.abcd1234.tmp"  # another file's temporary file: not this write's business
     not_ours.write_text("")
-    os.utime(not_ours, (time.time() - 7200, time.time() - 7200))
+    os.utime(not_ours, (long_ago, long_ago))
     write_plan_file(seal({"x": 1}), path)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted(["p.json", live.name, fresh.name, not_ours.name]), left
+    assert left == sorted(["p.json", live.name, fresh.name, not_ours.name, users.name]), left
     assert remove_stale_temps(tmp_path, "p.json", max_age_s=0) == 2  # by age alone, live ones go too
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.json", not_ours.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["p.json", not_ours.name, users.name])
 
 
 def _cache_files(folder: Path, n: int, size: int = 1000) -> list[Path]:
     files = []
     for i in range(n):
-        p = folder / f"{i:020x}-{i:012x}.json"
-        p.write_bytes(b"x" * size)
+        p = _plan_like(folder / f"{i:020x}-{i:012x}.json", size)
         os.utime(p, (1000 + i, 1000 + i))  # older first
         files.append(p)
     return files
@@ -317,7 +354,7 @@ def test_the_plan_cache_is_bounded_least_recently_used_first(tmp_path, monkeypat
     os.utime(files[0], (9000, 9000))  # the oldest file was replayed last
     stranger = tmp_path / "notes.json"  # not a cache file: never removed
     stranger.write_text("{}")
-    live = tmp_path / f".{files[1].name}.{os.getpid()}@{_host()}.abcd1234.tmp"  # this process, writing now
+    live = tmp_path / f".{files[1].name}.optsched.{os.getpid()}@{_host()}.abcd1234.tmp"  # this process, writing now
     live.write_text("")
     assert cache.cache_limits() == (4, cache.CACHE_MAX_BYTES)
     removed = cache.prune_cache(keep=files[2])  # just written: kept whatever its age

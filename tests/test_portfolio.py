@@ -221,7 +221,7 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
     import dataclasses
 
     p = chain_training_problem(n_layers=14, seed=0)
-    budget = int(0.3 * simulate(p, default_schedule(p)).peak_bytes)  # out of reach
+    budget = lower_bound_peak(p)  # out of reach, not proven so: below the bound no search runs (issue 33)
     slices = []
 
     def recorded(ctx, inc, deadline):

@@ -463,8 +463,9 @@ def test_solve_plans_the_seed_paths_at_0_75_mib():
         solve(p, above + 3 * MiB // 4 - 1, time_limit_s=5)
     e = info.value
     assert e.budget_bytes == above + 3 * MiB // 4 - 1
-    assert e.lowest_peak_bytes == above + 3 * MiB // 4
     assert e.lower_bound_bytes == above + 3 * MiB // 4  # the bound is tight here
+    assert e.proven and not e.searched  # below the bound: refused before any search (issue 33)
+    assert e.lowest_peak_bytes == simulate(p, default_schedule(p)).peak_bytes  # the unplanned program's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,9 +480,10 @@ def check_solve_under_budget(problem: Problem, budget: int, *, retry_lowest: boo
         assert e.budget_bytes == budget
         assert e.lowest_peak_bytes > budget
         assert e.lower_bound_bytes == lb
+        assert e.searched == (budget >= lb)  # below the bound no search runs (issue 33)
         # it found nothing: then no plan its own heuristics make may fit either
         for plan in known_plans(problem, budget):
-            assert simulate(problem, plan).peak_bytes >= e.lowest_peak_bytes
+            assert simulate(problem, plan).peak_bytes >= (e.lowest_peak_bytes if e.searched else lb)
         if retry_lowest:
             # the lowest peak it reports is reached by a real plan, which it hands over
             # (a retry with that budget may search differently: time-limited search is not deterministic)

@@ -160,3 +160,32 @@ def test_an_unproven_error_says_how_to_start_from_its_plan():
     assert "mem_budget=2000, start_from=<this error>" in _start_from_note(open_gap)
     assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 1500, Schedule([0], []))) == ""  # proven
     assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 500)) == ""  # no plan to start from
+
+
+def test_start_from_a_plan_file_starts_from_its_schedule(tmp_path):
+    """Issue 33 item 17: `start_from=optsched.load_plan(path)` (in any process) is the file's schedule, its
+    offloads found by tensor name on the problem planned; its peak is met, gradients are eager's. A PlanFile
+    without a schedule is a ValueError saying so."""
+    from optsched.plans.file_format import PlanFile
+    from optsched.plans.reuse import start_schedule
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                              for _ in range(4)])
+    x = torch.randn(256, 64)
+    m(x).sum().backward()
+    eager = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    kw = dict(time_limit_s=1, device_profile="cpu", deterministic=True, offload=True)
+    first = optsched.optimize(m, "60%", **kw)
+    first(x).sum().backward()
+    m.zero_grad(set_to_none=True)  # the next step starts as this one did (accumulating is another step)
+    pf = optsched.load_plan(first.plan.save(tmp_path / "p.json"))
+    assert pf.data["decisions"]["offload"]  # offloads, named in the file
+    assert start_schedule(pf, first.plan.problem) == first.plan.schedule
+    again = optsched.optimize(m, pf.summary["predicted_peak_bytes"], start_from=pf, **kw)
+    again(x).sum().backward()
+    assert again.plan.predicted_peak_bytes <= pf.summary["predicted_peak_bytes"]
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), eager))
+    with pytest.raises(ValueError, match="holds no schedule"):
+        optsched.optimize(m, "50%", start_from=PlanFile(None, {"schema": "optsched.plan"}))

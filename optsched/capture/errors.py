@@ -11,7 +11,8 @@ Dynamo cannot put into a graph stops the capture. Three things here:
   reads the set while tracing and guards on nothing about it, so the patch neither recompiles
   nor outlives the call). Those calls are dropped from the captured step: they are not emitted
   while it runs. Dynamo's graph-break exceptions become a `CaptureError` naming the user's
-  file and line, the construct and the fix, with Dynamo's exception chained. An exception the
+  file and line, the construct and the fix, with Dynamo's exception chained (a break inside torch's
+  BatchNorm with momentum=None names the user's layer and the momentum to give it). An exception the
   user's own code raises (`raise ValueError("bad input")` in forward) is not a graph break: the call
   is run as written, and that exception reaches the caller as itself.
 - `check_static_sizes(gm)`: called by the backend on the graph Dynamo hands it, before any
@@ -114,7 +115,8 @@ def capturing(compiled: Callable, eager: Callable | None = None) -> Callable:
             with logging_ignored():
                 return compiled(*args, **kwargs)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            error = from_dynamo(e)
+            root = getattr(eager, "__self__", None)  # the module, when `eager` is its _call_impl
+            error = from_dynamo(e, root if isinstance(root, torch.nn.Module) else None)
             error.__cause__ = e
             if eager is None or user_exception_type(e) is None:
                 raise error from e
@@ -160,7 +162,8 @@ _LOGGING_FIX = ("optsched drops logging.Logger methods, logging.* and warnings.w
 _GENERIC_FIX = "move this out of forward, or rewrite it with torch operations"
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # REVERTED  # optsched/, not optsched/capture/
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def _ours(filename: str) -> bool:
@@ -217,20 +220,66 @@ def _classify(e: BaseException, line: str) -> tuple[str, str]:
     return gb or type(e).__name__, _GENERIC_FIX
 
 
+_BATCHNORM_FILE = "torch/nn/modules/batchnorm.py"
+_CMA_FIX = ("give it a float momentum before optimize() ({how}; 0.1 is torch's default, an exponential moving "
+            "average). To keep the cumulative average exactly, set before each step the factor momentum=None "
+            "computes: {exact} (a float attribute that changes becomes an input of the program)")
+
+
+def _cumulative_batchnorm(frames: list, root: torch.nn.Module | None) -> tuple[str, str] | None:
+    """(construct, fix) when the break is in torch's BatchNorm forward and a training BatchNorm has
+    momentum=None: its cumulative moving average divides by `float(num_batches_tracked)`, a tensor's value
+    that changes every step, which neither one graph nor torch.compile(fullgraph=True) can hold."""
+    if not frames or not frames[-1].filename.replace(os.sep, "/").endswith(_BATCHNORM_FILE):
+        return None
+    found = [(name, m) for name, m in (root.named_modules() if root is not None else ())
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None
+             and m.training and m.track_running_stats]
+    if root is not None and not found:
+        return None
+    names = [f"`{name or 'the module itself'}`" for name, _m in found]
+    kinds = sorted({type(m).__name__ for _n, m in found}) or ["BatchNorm"]
+    what = f"{'/'.join(kinds)} {', '.join(names)}" if names else "a BatchNorm layer"
+    construct = (f"{what} with momentum=None (a cumulative moving average: each training step divides the "
+                 "running statistics' update by float(num_batches_tracked), a tensor's value)")
+    bns = [_submodule(name) for name, _m in found] or ["bn"]
+    how = ", ".join(f"{bn}.momentum = 0.1" for bn in bns)
+    exact = ", ".join(f"{bn}.momentum = 1 / ({bn}.num_batches_tracked.item() + 1)" for bn in bns)
+    return construct, _CMA_FIX.format(how=how, exact=exact)
+
+
+def _submodule(name: str) -> str:
+    """Python for submodule `name` of `model`."""
+    if all(part.isidentifier() for part in name.split(".")):
+        return f"model.{name}" if name else "model"
+    return f'model.get_submodule("{name}")'
+
+
+def _torch_frame(f) -> bool:
+    return os.path.abspath(f.filename).startswith(_TORCH_DIR + os.sep)
+
+
 _FSDP_DIR = "torch/distributed/fsdp/"
 _FSDP_FIX = ("optimize the blocks before sharding them, with the per-rank budget counting the shards: "
              "optsched.distributed.optimize_fsdp(model, mem_budget, example_inputs=...) applies fully_shard itself "
              "(see docs/distributed.md)")
 
 
-def from_dynamo(e: BaseException) -> CaptureError:
-    """A CaptureError for a Dynamo graph break (Unsupported, UserError): where, what, how to fix it."""
+def from_dynamo(e: BaseException, root: torch.nn.Module | None = None) -> CaptureError:
+    """A CaptureError for a Dynamo graph break (Unsupported, UserError): where, what, how to fix it.
+    `root`: the module optimized, to name its submodule when the break is in torch's own module code."""
     frames = _user_frames(e)
     where = frames[-1] if frames else None
     line = (where.line or "").strip() if where is not None else ""
     construct, fix = _classify(e, line)
     if any(_FSDP_DIR in f.filename.replace(os.sep, "/") for f in frames):
         construct, fix = "FSDP2's all-gather and reduce-scatter hooks (fully_shard applied to an optimized module)", _FSDP_FIX
+    elif (cma := _cumulative_batchnorm(frames, root)) is not None:
+        construct, fix = cma
+        if not all(map(_torch_frame, frames)):  # point at the user's call of the module, not into torch
+            frames = [f for f in frames if not _torch_frame(f)]
+            where = frames[-1]
+            line = (where.line or "").strip()
     reason = _reason(e)
     head = "optsched cannot capture the step as one graph"
     at = f"{where.filename}:{where.lineno} in {where.name}" if where is not None else "an unknown place"

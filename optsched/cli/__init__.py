@@ -65,7 +65,8 @@ __all__ = [
 
 
 class _Parser(argparse.ArgumentParser):
-    """`--budget -5%` reads -5% as the budget (then refused: budgets are positive), not as an option."""
+    """`--budget -5%` reads -5% as the budget (then refused: budgets are positive), not as an option; so does
+    `--inputs -4x32` (refused: dimensions are positive)."""
 
     def parse_known_args(self, args=None, namespace=None):
         return super().parse_known_args(values_first(list(sys.argv[1:] if args is None else args)), namespace)

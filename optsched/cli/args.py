@@ -119,14 +119,16 @@ def dpi(text: str) -> int:
     return int(text)
 
 
-VALUE_OPTIONS = ("--budget",)  # options whose values may begin with '-' ("-5%"): read as values (see values_first)
+# options whose values may begin with '-' ("--budget -5%", "--inputs -4x32:int64"): read as values (see values_first)
+VALUE_OPTIONS = ("--budget", "--inputs")
 
 
 def values_first(argv: list[str]) -> list[str]:
-    """`--budget -5%` as `--budget=-5%`: argparse takes a value that begins with '-' and is not a plain
-    negative number for an option and says "expected one argument"; joined, the value reaches its type,
-    which says what is wrong with it. Only a value that looks like a negative number is joined
-    (`--budget --profile cpu` still lacks its value), and nothing after `--`. Abbreviations (`--bud`) too."""
+    """`--budget -5%` as `--budget=-5%`, `--inputs -4x32` as `--inputs=-4x32`: argparse takes a value that begins
+    with '-' and is not a plain negative number for an option and says "expected one argument"; joined, the
+    value reaches its type, which says what is wrong with it (a budget, a dimension is positive). Only a value
+    that looks like a negative number is joined (`--budget --profile cpu` still lacks its value), and nothing
+    after `--`. Abbreviations (`--bud`, `--in`) too."""
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]

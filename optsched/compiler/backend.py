@@ -7,6 +7,8 @@ forward and backward wrappers observe what the caller does with the outputs (`ou
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -78,7 +80,13 @@ def aot_hooks(hooks: CompileHooks) -> dict:
 
 
 class PlanningBackend:
-    """One per compiled program of an optimized callable. Every (re)compilation plans its graph and reports the plan.
+    """One per input signature of an optimized callable. Every (re)compilation plans its graph and reports the plan.
+
+    Dynamo may compile several variants of one signature (a guard on a module flag, a global, a
+    parameter's requires_grad) and later run any of them again. Each compile therefore gets its own
+    copy of these hooks (`variant`: its planner, plan, gradient hand-over and usage observer), and each
+    variant's forward records itself in `ran`, so the caller attaches the hand-over of the program that
+    actually ran and reports its plan.
 
     `settings`: optimize()'s options. `resolution`: the budget as the optimized callable means it, shared
     by all its backends. `carried`: plans a copy of an optimized module replays. `usage`: what the caller
@@ -110,16 +118,37 @@ class PlanningBackend:
         self.observer: UsageObserver | None = None
         self.handover: TangentHandover | None = None  # output gradients taken from the engine (tangent_handover)
         self.planner: Planner | None = None  # made when the graph (and so the device) is known
+        self.plan: Plan | None = None  # this variant's plan
+        self.ran: PlanningBackend | None = None  # the variant whose forward ran last (set on the signature's backend)
+        self._signature_backend: Callable[[], PlanningBackend | None] = lambda: None  # a variant's (weakly)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         check_static_sizes(gm)  # data-dependent sizes: a CaptureError before any planning code sees them
+        variant = self.variant()
         target = Target.for_device(self.settings, device_of(example_inputs) or torch.device("cpu"))
-        self.planner = Planner(
-            self.settings, target, self.on_plan, resolution=self.resolution, carried=self.carried,
+        variant.planner = Planner(
+            self.settings, target, variant._on_plan, resolution=self.resolution, carried=self.carried,
             observed_usage=self.usage, grads_at_start=self.grads_at_start, cost_cache=self.cost_cache,
         )
-        self.planner.hold_inputs(list(example_inputs), self.state() if self.state is not None else ())
-        return aot_autograd(**aot_hooks(self))(gm, example_inputs)
+        variant.planner.hold_inputs(list(example_inputs), self.state() if self.state is not None else ())
+        return aot_autograd(**aot_hooks(variant))(gm, example_inputs)
+
+    def variant(self) -> PlanningBackend:
+        """Hooks of one compile of this signature: the same settings and callbacks, its own planner, plan,
+        hand-over and observer (a backward is compiled at its first call, maybe after other variants)."""
+        variant = copy.copy(self)
+        variant.planner = variant.plan = variant.handover = variant.observer = variant.ran = None
+        variant._signature_backend = weakref.ref(self)  # weak: this backend holds the variant that ran
+        return variant
+
+    def _on_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self.on_plan(plan)
+
+    def _ran(self) -> None:
+        backend = self._signature_backend()
+        if backend is not None:
+            backend.ran = self
 
     @property
     def target(self) -> Target:
@@ -128,18 +157,22 @@ class PlanningBackend:
     # ---- the compile hooks (CompileHooks)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs):
-        """The planned forward, telling the usage observer what the caller was handed."""
-        run, observer = boxed(gm), self.observer
-        if observer is None:
-            return run
-        n_outputs = observer.n_outputs
+        """The planned forward, saying that this variant ran and telling the usage observer what the caller was handed."""
+        return self._recording_runs(boxed(gm), self.observer)
+
+    def _recording_runs(self, run: Callable, observer: UsageObserver | None = None) -> Callable:
+        ran = self._ran
+        n_outputs = observer.n_outputs if observer is not None else 0
 
         def forward(args: list):
+            ran()
             out = run(args)
-            observer.forward_done(out, n_outputs)
+            if observer is not None:
+                observer.forward_done(out, n_outputs)
             return out
 
         forward._boxed_call = True  # type: ignore[attr-defined]
+        forward.graph_module = getattr(run, "graph_module", None)  # type: ignore[attr-defined]
         return forward
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs):
@@ -204,4 +237,4 @@ class PlanningBackend:
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)
         jg = build_joint_graph(gm, None)
         plan, items = self.planner.plan(gm, jg, "forward")
-        return boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused))
+        return self._recording_runs(boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused)))

@@ -98,15 +98,24 @@ def _fits(jg: JointGraph, a: fx.Node, out: int, out_val: torch.Tensor) -> int | 
 
 
 def _reuse_pairs(jg: JointGraph, node: fx.Node, outs: list[int]) -> list[tuple[int, int, fx.Node]]:
-    """Inputs whose storage this op could write its output into: same layout, covering the whole storage."""
+    """Inputs whose storage this op could write its output into: same layout, covering the whole storage,
+    and read by no other input through another layout (`sub(x, x.t())` into x: an elementwise op may read
+    the elements it writes, never others; ATen refuses the partial overlap)."""
     if len(outs) != 1 or out_variant(node.target) is None:
         return []
     pairs = []
     for a in node.all_input_nodes:
         s = _fits(jg, a, outs[0], node.meta["val"])
-        if s is not None:
+        if s is not None and all(_same_layout(b, a) for b in node.all_input_nodes if s in jg.node_storages(b)):
             pairs.append((outs[0], s, a))
     return pairs
+
+
+def _same_layout(b: fx.Node, a: fx.Node) -> bool:
+    """`b` reads exactly `a`'s elements, in `a`'s layout."""
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(vb, torch.Tensor) and (vb.shape, vb.stride(), vb.storage_offset()) == (
+        va.shape, va.stride(), va.storage_offset())
 
 
 def _foreach_reuse_pairs(jg: JointGraph, node: fx.Node) -> list[tuple[int, int]]:
@@ -185,6 +194,20 @@ def offloadable_storages(jg: JointGraph) -> set[int]:
         ):
             out.add(s.index)
     return out
+
+
+def mutated_input_storages(jg: JointGraph) -> set[int]:
+    """Storages of the training step's inputs that AOTAutograd writes new values into once the forward has run
+    (their new value is a forward output: BatchNorm's running stats, `nn.Embedding(max_norm=...)`'s weight,
+    which `embedding_renorm_` renormalizes in place). An op reading one is never recomputed in the backward:
+    it would read the new value, and autograd refuses the input saved for it ("modified by an inplace
+    operation"), as the input's version changed after it was saved."""
+    (out,) = jg.gm.graph.find_nodes(op="output")
+    descs = out.meta.get("desc")
+    if not isinstance(descs, (list, tuple)):
+        return set()
+    mutated = {getattr(d, "mutated_input", None) for d in descs if type(d).__name__ == "InputMutationAOTOutput"}
+    return {s for p in jg.primals if p.meta.get("desc") in mutated for s in jg.node_storages(p)}
 
 
 def written_storages(jg: JointGraph, node: fx.Node) -> list[int]:
@@ -321,6 +344,7 @@ def build_problem(
         ]
     ops: list[Op] = []
     nodes: list[fx.Node] = []
+    mutated = mutated_input_storages(jg)
     order = [n for n in jg.compute if jg.phase[n] is Phase.FW] + [n for n in jg.compute if jg.phase[n] is Phase.BW]
     for node in order:
         oid = len(ops)
@@ -336,7 +360,7 @@ def build_problem(
                 inputs=reads,
                 outputs=tuple(outs),
                 time_s=measured.times[node.name] if measured and node.name in measured.times else _roofline(node, profile),
-                recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node),
+                recomputable=jg.phase[node] is Phase.FW and bool(outs) and is_recomputable(node) and not mutated & set(reads),
                 reuse=_reuse(jg, node, outs) if _may_reuse(jg, node, measured) else (),
                 reuse_all=is_foreach_reuse(node),
                 workspace_bytes=(measured.workspace.get(node.name, 0) if measured else 0)

@@ -14,6 +14,9 @@ the steps the simulator timed: the forward starts the copy out right after the
 producer and drops the device copy at its release step, then hands the host copy
 to the backward as a saved tensor; the backward issues the copy back at the
 prefetch step and waits for it just before the first reader.
+
+The backward runs once per forward: it frees saved tensors and may write into them, so it
+refuses to run for a graph kept for another backward (`refuse_kept_graph`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ try:  # descriptors label outputs for AOTAutograd's own tooling; optional across
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 except ImportError:  # pragma: no cover
     SavedForBackwardsAOTOutput = None
+
+
+class KeptGraphError(RuntimeError):
+    """A planned backward asked to keep its graph (`retain_graph=True`, `create_graph=True`)."""
+
+
+KEPT_GRAPH_MESSAGE = (
+    "optsched: a planned training step's backward runs once per forward, and retain_graph=True or "
+    "create_graph=True (in backward() or torch.autograd.grad()) keeps the graph for another backward, which "
+    "would need the saved activations again. The planned backward frees each saved activation at its last "
+    "use and may write gradients into it: that is how the step keeps within its memory budget. Fix: call "
+    "backward() once per forward (sum the losses first: (loss_a + loss_b).backward(), or run the forward "
+    "again for another backward); for gradients of gradients (create_graph=True, a gradient penalty), run "
+    "that step without optimize()"
+)
+
+
+@fx.node.has_side_effect
+def refuse_kept_graph() -> None:
+    """The backward's first step: raise KeptGraphError when the autograd engine keeps the graph (run outside
+    the engine, by a test or a profiler, there is no graph to keep)."""
+    if torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph():
+        raise KeptGraphError(KEPT_GRAPH_MESSAGE)
 
 
 class _Program:
@@ -226,7 +252,7 @@ def lower_training(
     bw = _Backward(jg, _recomputed_nodes(problem, built_nodes, schedule), offloads, runtime)
     bw.build(built_nodes, schedule, reused)
     fw, host = _forward(jg, built_nodes, schedule, reused, offloads, runtime, slots)
-    _forward_output(jg, fw, bw.saved, host, offloads)
+    _forward_output(jg, fw, bw.saved, host, offloads, bw.saved_symbols)
     return _module(jg, fw.graph), _module(jg, bw.prog.graph), bw.saved
 
 
@@ -273,6 +299,8 @@ class _Backward:
         self.runtime = runtime
         self.saved: list[fx.Node] = []
         self.placeholders: list[fx.Node] = []
+        self.saved_symbols: list[fx.Node] = []  # SymInts and SymFloats (a module's int attribute traced as an input)
+        self.symbol_placeholders: list[fx.Node] = []
         self.fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
         self.prog = _Program(jg, self._from_forward)
 
@@ -281,6 +309,7 @@ class _Backward:
         gradients; placeholders moved to the top (saved and host copies, then tangents)."""
         jg = self.jg
         tangent_ph = [self.prog.placeholder(t) for t in jg.tangents]
+        self.prog.graph.call_function(refuse_kept_graph, ())
         n_fw = len(schedule.fw_order)
         fetch_at: dict[int, list[int]] = {}
         for t, ev in sorted(self.offloads.items()):
@@ -292,7 +321,8 @@ class _Backward:
         if self.fetching:
             raise RuntimeError(f"{len(self.fetching)} offloaded tensors are prefetched but never read")
         self.prog.output(jg.bw_outputs, _output_descs(jg)[jg.num_fwd_outputs :] or None)
-        _move_placeholders_first(self.prog.graph, self.placeholders + tangent_ph)
+        # AOTAutograd's order: saved symbols, saved tensors, tangents (the forward returns the symbols last)
+        _move_placeholders_first(self.prog.graph, self.symbol_placeholders + self.placeholders + tangent_ph)
 
     def _prefetch(self, storage: int) -> None:
         """The offloaded storage's host copy crosses as a saved tensor; its copy back starts here."""
@@ -318,6 +348,11 @@ class _Backward:
             if storage not in self.fetching or self.jg.storages[storage].node is not node:
                 raise RuntimeError(f"{node.name} is read in the backward before its prefetch")
             new = self.prog.graph.call_function(self.runtime.wait, (self.fetching.pop(storage),))
+        elif isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            self.saved_symbols.append(node)
+            new = self.prog.new_placeholder(node.name)
+            new.meta = dict(node.meta)
+            self.symbol_placeholders.append(new)
         else:
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise RuntimeError(f"{node.name} is not a tensor and cannot be saved")
@@ -332,19 +367,20 @@ def _forward_output(
     saved: list[fx.Node],
     host: dict[int, fx.Node],
     offloads: dict[int, OffloadEvent],
+    symbols: list[fx.Node] = (),
 ) -> None:
     """The forward's output: its own outputs, then what the backward saves, in the backward's
-    placeholder order (an offloaded storage as its host copy), labelled for AOTAutograd."""
+    placeholder order (an offloaded storage as its host copy), then the symbols it saves, labelled for AOTAutograd."""
     descs = _output_descs(jg)[: jg.num_fwd_outputs]
     if descs and SavedForBackwardsAOTOutput is not None:
-        descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved))]
+        descs = descs + [SavedForBackwardsAOTOutput(i) for i in range(len(saved) + len(symbols))]
     else:
         descs = None
     crossing = []
     for node in saved:
         storage = jg.storage_of.get(node)
         crossing.append(host.pop(storage) if storage in offloads and storage in host else node)
-    fw.output(list(jg.fw_outputs) + crossing, descs)
+    fw.output(list(jg.fw_outputs) + crossing + list(symbols), descs)
 
 
 def _slot_spec(jg: JointGraph, storage: int) -> SlotSpec:
@@ -379,4 +415,4 @@ def boxed(gm: fx.GraphModule) -> Callable:
     return run
 
 
-__all__ = ["boxed", "lower_inference", "lower_training"]
+__all__ = ["KEPT_GRAPH_MESSAGE", "KeptGraphError", "boxed", "lower_inference", "lower_training"]

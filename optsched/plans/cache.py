@@ -16,6 +16,10 @@ The plan cache is bounded (`prune_cache`, after each save into it): at most CACH
 and CACHE_MAX_BYTES bytes ($OPTSCHED_CACHE_MAX_FILES, $OPTSCHED_CACHE_MAX_BYTES), the least recently
 used (written or replayed: a replay touches its file) removed first. Temporary files of killed
 writers are removed there too (`file_format.remove_stale_temps`); a live writer's never.
+
+Both bounds remove only what optsched wrote: a file named like a plan (`<20 hex>-<12 hex>.json` in the
+cache, `gpt.<12 hex>.json` beside gpt.json) that does not begin as a plan file does (`is_plan_file`) is a
+user's: it is never removed and does not count towards the bound.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from .file_format import (
     PlanFile,
     PlanFileError,
     PlanFileWarning,
+    is_plan_file,
     load_plan,
     remove_stale_temps,
 )
@@ -161,9 +166,10 @@ def cache_limits() -> tuple[int, int]:
 
 
 def _prune(folder: Path, pattern: re.Pattern, max_files: int, max_bytes: int | None, keep: Path | None) -> list[Path]:
-    """Remove the least recently used (oldest mtime) files of `folder` whose names match `pattern` until at
+    """Remove the least recently used (oldest mtime) plan files of `folder` whose names match `pattern` until at
     most `max_files` of them, `max_bytes` in all, remain. `keep` (the file just written) stays. Only whole
-    plan files are removed (a writer's temporary file has another name); what cannot be removed is left."""
+    plan files are removed (a writer's temporary file has another name); a file named alike that is not a plan
+    file (`is_plan_file`: a user's) is neither counted nor removed; what cannot be removed is left."""
     files = []
     try:
         entries = list(os.scandir(folder))
@@ -173,7 +179,7 @@ def _prune(folder: Path, pattern: re.Pattern, max_files: int, max_bytes: int | N
         if not pattern.fullmatch(entry.name):
             continue
         try:
-            if entry.is_file(follow_symlinks=False):
+            if entry.is_file(follow_symlinks=False) and is_plan_file(entry.path):
                 st = entry.stat(follow_symlinks=False)
                 files.append((st.st_mtime, st.st_size, Path(entry.path)))
         except OSError:

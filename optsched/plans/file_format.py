@@ -5,9 +5,12 @@ recomputations, offloads), what it was made for (graph fingerprint, budget, devi
 profile, executor, per-op costs), what it predicts (summary, timeline) and how the
 solver did. A checksum over the content turns corruption and hand edits into a clear
 error instead of a wrong program. Writes are atomic (a temporary file, then a rename); the
-temporary file's name says which process on which machine writes it (`.NAME.PID@HOST.XXXXXXXX.tmp`),
-so the temporary files of writers that were killed are removed at the next write of that file
-(`remove_stale_temps`: their process is gone, or they are older than an hour), never a live one's.
+temporary file's name marks it as optsched's and says which process on which machine writes it
+(`.NAME.optsched.PID@HOST.XXXXXXXX.tmp`), so the temporary files of writers that were killed are
+removed at the next write of that file (`remove_stale_temps`: their process is gone, or they are
+older than an hour), never a live one's, nor a file of someone else's named alike.
+What optsched may remove is what it wrote: a plan file begins `{"schema": "optsched.plan"`
+(`is_plan_file` reads the first bytes).
 
 The contents are typed in `plans.schema`; `validate` checks every nested field against it.
 Where plan files go (the plan cache, writability probes, saves that warn) is `plans.cache`.
@@ -115,16 +118,32 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32]
 
 
+_PLAN_START = re.compile(rb'\s*\{\s*"schema"\s*:\s*' + re.escape(json.dumps(SCHEMA).encode()))
+TEMP_MARK = "optsched."  # in the names of write_plan_file's temporary files: they may be empty, so the name says whose
+
+
+def is_plan_file(path: str | os.PathLike) -> bool:
+    """Whether `path` begins as every plan file begins (`seal` puts the schema first): the plan cache and the
+    bound beside a plan=PATH remove only such files, never a user's file named like one. Reads 256 bytes."""
+    try:
+        with open(path, "rb") as f:
+            return _PLAN_START.match(f.read(256)) is not None
+    except OSError:
+        return False
+
+
 def _temp_prefix(name: str) -> str:
-    """`.NAME.PID@HOST.`: mkstemp adds 8 random characters and `.tmp`. A name too long for that keeps the
-    plain `.NAME.` (its temporary files are then removed only once stale by age)."""
-    tagged = f".{name}.{os.getpid()}@{_host()}."
-    return tagged if len(tagged) <= 200 else f".{name}."
+    """`.NAME.optsched.PID@HOST.`: mkstemp adds 8 random characters and `.tmp`. A name too long for that keeps
+    `.NAME.optsched.` (its temporary files are then removed only once stale by age)."""
+    tagged = f".{name}.{TEMP_MARK}{os.getpid()}@{_host()}."
+    return tagged if len(tagged) <= 200 else f".{name}.{TEMP_MARK}"
 
 
 def _temp_pattern(names: str) -> re.Pattern:
-    """Temporary files of `write_plan_file` for the files whose names match the regular expression `names`."""
-    return re.compile(rf"\.(?:{names})\.(?:(?P<pid>[0-9]+)@(?P<host>[A-Za-z0-9-]*)\.)?[a-z0-9_]{{8}}\.tmp")
+    """Temporary files of `write_plan_file` for the files whose names match the regular expression `names`;
+    `mark` is None for a name without TEMP_MARK (an older optsched's, or someone else's)."""
+    return re.compile(rf"\.(?:{names})\.(?P<mark>{re.escape(TEMP_MARK)})?"
+                      rf"(?:(?P<pid>[0-9]+)@(?P<host>[A-Za-z0-9-]*)\.)?[a-z0-9_]{{8}}\.tmp")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -140,7 +159,8 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temps(folder: str | os.PathLike, name: str | re.Pattern, *, max_age_s: float = STALE_TEMP_S) -> int:
     """Remove the temporary files killed writers left in `folder` for the plan file `name` (or for every file
     whose name matches the pattern `name`): those whose writer (the pid in the temporary file's name, on this
-    machine) is gone, and those older than `max_age_s`.
+    machine) is gone, and those older than `max_age_s`. Only ours: named with TEMP_MARK, or (an older
+    optsched's name) beginning as a plan file; a user's `.NAME.xxxxxxxx.tmp` stays.
     A live writer's file is never removed. Returns how many were removed; errors are ignored (a
     folder we cannot list or a file we cannot remove costs nothing but disk)."""
     names = name.pattern if isinstance(name, re.Pattern) else re.escape(name)
@@ -158,7 +178,7 @@ def remove_stale_temps(folder: str | os.PathLike, name: str | re.Pattern, *, max
                 continue
             age = now - entry.stat(follow_symlinks=False).st_mtime
             writer_gone = m["pid"] is not None and m["host"] == host and not _pid_alive(int(m["pid"]))
-            if writer_gone or age > max_age_s:
+            if (writer_gone or age > max_age_s) and (m["mark"] or is_plan_file(entry.path)):
                 os.unlink(entry.path)
                 removed += 1
         except OSError:

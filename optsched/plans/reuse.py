@@ -48,13 +48,8 @@ def plan_from_file(
     if decisions["ops"] != [o.name for o in problem.ops]:
         raise PlanFileError(f"{where}: its ops are not this graph's ops (same fingerprint, other fusion or version?)")
     problem = _with_costs(problem, d["costs"], where)
-    tensor_id = {t.name: t.id for t in problem.tensors}
     try:
-        schedule = Schedule(
-            [int(o) for o in decisions["fw_order"]],
-            [int(o) for o in decisions["bw_order"]],
-            {tensor_id[t]: int(j) for t, j in decisions["offload"].items()},
-        )
+        schedule = file_schedule(pf, problem)
         sim = simulate(problem, schedule)
     except (KeyError, ScheduleError, TypeError, ValueError) as e:
         raise PlanFileError(f"{where}: its schedule does not run on this graph: {e}") from None
@@ -72,6 +67,30 @@ def plan_from_file(
         grads_at_start=bool(made_for.get("grads_at_start", False)),
     )
     return plan, items
+
+
+def file_schedule(pf: PlanFile, problem: Problem) -> Schedule:
+    """The schedule `pf` records, on `problem`: a file names the offloaded tensors, the problem numbers them.
+    KeyError (a tensor this problem lacks), TypeError or ValueError for decisions that are not this problem's."""
+    decisions, tensor_id = pf.data["decisions"], {t.name: t.id for t in problem.tensors}
+    return Schedule(
+        [int(o) for o in decisions["fw_order"]],
+        [int(o) for o in decisions["bw_order"]],
+        {tensor_id[t]: int(j) for t, j in decisions["offload"].items()},
+    )
+
+
+def start_schedule(start: Schedule | PlanFile | None, problem: Problem) -> Schedule | None:
+    """optimize's `start_from` as a solve's hint on `problem`: a plan file's schedule, its offloads found by name
+    here (None when its ops or tensors are not this problem's: the file plans another step, nothing to start from)."""
+    if not isinstance(start, PlanFile):
+        return start
+    if start.data["decisions"]["ops"] != [o.name for o in problem.ops]:  # another graph, fusion or chunking
+        return None
+    try:
+        return file_schedule(start, problem)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _with_costs(problem, costs: dict, where: str):

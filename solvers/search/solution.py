@@ -14,12 +14,14 @@ class BudgetInfeasibleError(Exception):
     `proven`: the budget is below the bound, so no plan can fit. Otherwise a plan may exist
     between the bound and the lowest peak found; `PlanningTimeLimitError` (a subclass) says the
     time limit ended the search, this class alone that every move of the search ended by itself.
-    `lowest_schedule` can be passed back as a solve's `hint`.
+    `lowest_schedule` can be passed back as a solve's `hint`. `searched`: False when the budget was refused
+    from the bound alone, before any search (then `lowest_peak_bytes` is the unplanned program's peak and
+    `lowest_schedule` its plan, or None when refused before the program's problem was built).
     """
 
     def __init__(
         self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None,
-        *, elapsed_s: float | None = None, time_limit_s: float | None = None,
+        *, elapsed_s: float | None = None, time_limit_s: float | None = None, searched: bool = True,
     ):
         self.budget_bytes = budget_bytes
         self.lowest_peak_bytes = lowest_peak_bytes
@@ -27,6 +29,7 @@ class BudgetInfeasibleError(Exception):
         self.lower_bound_bytes = lower_bound_bytes
         self.elapsed_s = elapsed_s
         self.time_limit_s = time_limit_s
+        self.searched = searched
         super().__init__(self._message())
 
     @property
@@ -44,6 +47,8 @@ class BudgetInfeasibleError(Exception):
     def _message(self) -> str:
         mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
         found = f"the lowest peak found is {mib(self.lowest_peak_bytes)}"
+        if not self.searched:  # below the bound: no search can change that, so none ran
+            found = f"refused before any search; unplanned, the program peaks at {mib(self.lowest_peak_bytes)}"
         if self.proven:
             return f"no plan fits {mib(self.budget_bytes)}, and none can: every plan needs at least {mib(self.lower_bound_bytes)} ({found})"
         took = f" after {self.elapsed_s:.1f}s" if self.elapsed_s is not None else ""

@@ -106,7 +106,8 @@ def solve(
     """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak) within `time_limit_s` in all.
 
     `hint`: a plan of this problem to start from (e.g. an earlier `BudgetInfeasibleError.lowest_schedule`):
-    it is offered to the incumbent like any move's plan. `deterministic`: the same plan on every run
+    it is offered to the incumbent like any move's plan. A budget below the proven bound (`lower_bound_peak`)
+    is refused before any search (`BudgetInfeasibleError`, proven, `searched=False`). `deterministic`: the same plan on every run
     (solvers/model/clock.py); the time limit then counts work. This is `optsched.solvers.solve`.
     """
     with clock.deterministic(deterministic), _caller_heap_frozen(), collecting_rejections() as rejected:
@@ -155,6 +156,9 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
     baseline = simulate(problem, default_schedule(problem))
     lower = lower_bound_peak(problem)
     clock.charge(clock.BOUND_PER_OP2_S * len(problem.ops) ** 2)  # its min cuts: work too
+    if budget is not None and budget < lower:  # proven: no search can find a plan, so none runs
+        raise BudgetInfeasibleError(budget, baseline.peak_bytes, lower, default_schedule(problem),
+                                    elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s, searched=False)
     line = ProgressLine(f"planning {len(problem.ops)} ops", enabled=progress is not False,
                         display=None if isinstance(progress, bool) else progress)
     ctx = Context(problem, budget, workers or max(1, min(8, os.cpu_count() or 1)), line, baseline, hint, lower)

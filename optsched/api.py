@@ -27,7 +27,7 @@ from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_
 from .attribute_sync import AttributeSync
 from .capture.errors import CaptureError, capturing
 from .lower.offload_runtime import OffloadDeviceError
-from .capture.output_usage import OutputUsage, release_unused_grads, warn_if_underplanned
+from .capture.output_usage import OutputUsage, SeenPeak, release_unused_grads, warn_if_underplanned
 from .costs.profiles import DeviceProfile
 from .planner import CostCache
 from .plans.plan import Plan
@@ -246,7 +246,7 @@ class Dispatcher:
             if dispatcher is not None:
                 dispatcher.owner.__dict__["plan"] = plan
 
-        def on_usage(seen: OutputUsage, planned: OutputUsage) -> None:
+        def on_usage(seen: OutputUsage, planned: OutputUsage, peak: SeenPeak | None = None) -> None:
             dispatcher = owner_ref()
             if dispatcher is not None:
                 # the next call with this signature plans for everything seen so far: a caller whose use varies
@@ -254,7 +254,7 @@ class Dispatcher:
                 wanted = seen.union(dispatcher.usage.get(_usage_key(base)))
                 if wanted != planned:
                     dispatcher.usage[_usage_key(base)] = wanted
-            warn_if_underplanned(seen, planned, s.budget.spec is not None)
+            warn_if_underplanned(seen, planned, s.budget.spec is not None, peak)
 
         # the budget as this signature's programs see it: a forward-only one takes its training program's bytes
         resolution = self.resolution.for_shapes(_shapes_key(base))
@@ -292,8 +292,19 @@ class Dispatcher:
         state = {k: v for k, v in state.items() if k not in _INSTALLED}
         return _rebuild_module, (type(module), self.copy_spec()), state
 
+    def deepcopy_module(self, memo: dict) -> torch.nn.Module:
+        """The optimized parametrized module's `__deepcopy__`: parametrize's class-level one would deep-copy the
+        instance `__dict__`, this dispatcher included; instead, an independent copy optimized again, as
+        `reduce_module` makes for other modules (copy and pickle stay refused, as torch refuses them)."""
+        module = self.module
+        new = _rebuild_module(type(module), self.copy_spec())
+        memo[id(module)] = new
+        state = {k: v for k, v in _shared_state(module).items() if k not in _INSTALLED}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        return new
 
-_INSTALLED = ("_compiled_call_impl", "plan", "__reduce_ex__")  # what _install puts in an optimized module's __dict__
+
+_INSTALLED = ("_compiled_call_impl", "plan", "__reduce_ex__", "__deepcopy__")  # what _install puts in an optimized module's __dict__
 _CONSTANTS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
@@ -417,6 +428,8 @@ def _install(module: torch.nn.Module, settings: PlanningSettings, resolution: Bu
     dispatcher = Dispatcher(settings, resolution, carried, module=module)
     # in __dict__, not through nn.Module.__setattr__; copy and pickle look `__reduce_ex__` up on the instance
     module.__dict__.update({"plan": None, "_compiled_call_impl": dispatcher, "__reduce_ex__": dispatcher.reduce_module})
+    if torch.nn.utils.parametrize.is_parametrized(module):  # its class's __deepcopy__ comes before __reduce_ex__
+        module.__dict__["__deepcopy__"] = dispatcher.deepcopy_module
     return dispatcher
 
 
@@ -431,15 +444,16 @@ def _rebuild_module(cls: type, spec: _CopySpec) -> torch.nn.Module:
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     """copy.copy(module) (shares parameters, buffers and submodules) without calling the class's `__new__`:
     FSDP2 (`fully_shard`) gives a module a class whose `__new__` builds the original class by calling its
-    `__init__` with no arguments. An optimized module is copied as copy.copy copies it (its plans carried)."""
-    if "__reduce_ex__" in module.__dict__:
+    `__init__` with no arguments. An optimized module is copied as copy.copy copies it (its plans carried), but
+    a parametrized one, which copy.copy refuses (`_install` replaces what the state carries of optimize())."""
+    if "__reduce_ex__" in module.__dict__ and not torch.nn.utils.parametrize.is_parametrized(module):
         return copy.copy(module)
     new = object.__new__(type(module))
-    new.__setstate__(_module_state(module))
+    new.__setstate__(_shared_state(module))
     return new
 
 
-def _module_state(module: torch.nn.Module) -> dict:
+def _shared_state(module: torch.nn.Module) -> dict:
     """`module.__getstate__()`; for a parametrized module (torch.nn.utils.parametrize gives it a class whose
     `__getstate__` refuses, to stop pickling), the state its class had before: the shared parts a copy
     needs, the parametrizations included, as `nn.Module.__getstate__` (a copy of `__dict__`) gives them."""
@@ -499,7 +513,11 @@ def optimize(
     signature (batch size, sequence length) gets that share of its own step, in whatever
     order the shapes come. A forward-only program (eval, no_grad) takes the bytes of the
     training program of the same shapes, else of the largest training program planned so
-    far, else (nothing trained yet) the percentage of its own peak.
+    far, else (nothing trained yet) the percentage of its own peak. A smaller shape may use
+    the bytes already proven for a larger shape of the same program: a training program whose
+    own share is below its proven bound (a small last batch, dominated by the parameters and
+    gradients) takes the largest training program's bytes when they reach its bound (the plan's
+    notes and summary()["budget_from"] say so); before any larger one, it raises.
 
     A module comes back as a module of the same class that shares the original's
     parameters, buffers and submodules; its copies (copy, deepcopy, pickle, torch.save)

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 _SHARED = ("_parameters", "_buffers", "_modules")  # the same dict objects in both already
-_OWN = ("plan", "_compiled_call_impl", "__reduce_ex__")  # the optimized module's own (api._install)
+_OWN = ("plan", "_compiled_call_impl", "__reduce_ex__", "__deepcopy__")  # the optimized module's own (api._install)
 _MISSING = object()
 
 

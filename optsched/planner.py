@@ -151,7 +151,7 @@ class Floor:
     """Peaks proven before any op is timed or fusion group compiled (`Planner.floor`): they hold whatever
     the measured costs and whichever fusion groups are formed."""
 
-    bound: int  # no plan of the graph as captured goes below it
+    bound: int  # no plan of the graph as captured goes below it (0: not computed, the unplanned plan meets the budget)
     resident: int  # parameters, buffers, the batch, unread state and the step's outputs (gradients): any graph of the step
     unplanned: int  # the graph as captured, unplanned, kernel scratch not counted
 
@@ -284,15 +284,16 @@ class Planner:
                 "grads_at_start": self.grads_at_start and name == "training step",
                 **self.resolution.made_for(training=name == "training step")}
 
-    def floor(self, jg: JointGraph, usage: OutputUsage | None = None) -> Floor:
+    def floor(self, jg: JointGraph, usage: OutputUsage | None = None, budget: int | None = None) -> Floor:
         """The graph's floor, before its ops are timed: its problem as the most favourable measurement would
         make it (no kernel scratch, every in-place write profiling could allow: a superset of the plans of any
-        measured problem, so its bound is below theirs), with the executor's vertical fusion groups offered as
-        fusion options (their inner values count 0 for any subset formed, as merged groups' do; horizontal
-        candidates, ops of one depth, hide no value). Tens of milliseconds on the 4-layer GPT."""
+        measured problem, so its bound is below theirs; where no op is measured, the problem itself), with the
+        executor's vertical fusion groups offered as fusion options (their inner values count 0 for any subset
+        formed, as merged groups' do; horizontal candidates, ops of one depth, hide no value). Tens of
+        milliseconds on the 4-layer GPT; the bound is not computed (0) for a `budget` the unplanned peak meets."""
         t = self.target
-        favourable = NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True))
-        built = build_problem(jg, t.profile, name="floor", measured=favourable, offload=t.offload,
+        costs = self.costs(jg.gm, jg) if not t.measure else NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True))
+        built = build_problem(jg, t.profile, name="floor", measured=costs, offload=t.offload,
                               host_budget_bytes=t.host_budget_bytes, usage=usage, device=t.device,
                               grads_at_start=self.grads_at_start, unread_state=self.unread_state)
         p = built.problem
@@ -302,7 +303,9 @@ class Planner:
             p = dataclasses.replace(p, fusion_options=tuple(FusionOption(tuple(g), 0.0) for g in groups))
         inputs = sum(x.bytes for x in p.tensors if x.kind is TensorKind.INPUT)
         outputs = sum(p.tensors[i].bytes for i in p.outputs if p.tensors[i].kind is not TensorKind.INPUT)
-        return Floor(lower_bound_peak(p), inputs + outputs, simulate(p, default_schedule(p)).peak_bytes)
+        unplanned = simulate(p, default_schedule(p)).peak_bytes
+        bound = 0 if budget is not None and budget >= unplanned else lower_bound_peak(p)  # no plan goes below
+        return Floor(bound, inputs + outputs, unplanned)
 
     def _counts_tried(self, chains: list[Chain]) -> tuple[int, ...]:
         """The chunk counts this planning tries (1: the graph as captured)."""
@@ -325,7 +328,7 @@ class Planner:
             else:
                 g = copy_graph(gm)
                 chunk(g, k)
-                out[k] = self.floor(build_joint_graph(g, jg.num_fwd_outputs), usage).bound
+                out[k] = self.floor(build_joint_graph(g, jg.num_fwd_outputs), usage, budget).bound
             if out[k] <= budget:
                 break
         return out
@@ -346,7 +349,7 @@ class Planner:
         budget = self.resolution.fixed_bytes(training=jg.is_training)
         if budget is None:
             return
-        floor = self.floor(jg, usage)
+        floor = self.floor(jg, usage, budget)
         counts = self._counts_tried(chains)
         if 1 in counts and budget >= floor.bound:
             return
@@ -414,8 +417,11 @@ class Planner:
         """One program's plan; `time_limit_s` is the time of every solve it makes together (chunk counts included),
         counted on the solvers' clock (work in deterministic mode) from one account."""
         self._time = _PlanningTime()
-        with clock.deterministic(self.settings.deterministic_planning):
-            return self._solve_graph_timed(gm, jg, name, usage)
+        try:
+            with clock.deterministic(self.settings.deterministic_planning):
+                return self._solve_graph_timed(gm, jg, name, usage)
+        finally:
+            self._reach = None  # it holds the graph
 
     def _solve_graph_timed(self, gm: fx.GraphModule, jg: JointGraph, name: str, usage: OutputUsage | None,
                            ) -> tuple[Plan, list]:

@@ -6,6 +6,7 @@ every op and plans before it runs the planned step, is measured at the allocator
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -130,3 +131,72 @@ def test_an_op_that_rejects_made_up_inputs_is_listed_and_timed_by_the_roofline()
     costs = profile_nodes(gm, torch.device("cpu"), {})
     assert "RuntimeError" in costs.unmeasured["multinomial_default"]
     assert "multinomial_default" not in costs.times
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding, one hidden layer and a vocabulary head: the logits dwarf every activation."""
+
+    def __init__(self, vocab: int = 1000, width: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.fc = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.fc(self.emb(ids))))
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _TinyLM(), torch.randint(0, 1000, (4, 64), generator=g), torch.randint(0, 1000, (4, 64), generator=g)
+
+
+def _loss_outside(m, ids, targets):
+    return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), targets.flatten())
+
+
+def test_loss_outside_first_call_plans_the_step_that_runs():
+    """Issue 33: `F.cross_entropy(model(x), y)` drops the logits once the loss is made (the loss keeps its
+    log-softmax), but the first call planned as if the caller held them through the backward: eager's own
+    peak was refused as a budget no plan can meet, its bound and a percentage's reference counted them."""
+    model, ids, targets = _tiny_lm()
+    eager = measure_training_step(lambda: _loss_outside(model, ids, targets), model, ())
+    opt = optsched.optimize(model, eager.peak_bytes, time_limit_s=1)
+    first = measure_training_step(lambda: _loss_outside(opt, ids, targets), model, ())  # plans, then runs
+    plan = opt.plan
+    assert plan.summary()["output_usage"] == "g-"  # a gradient flows into the logits; the caller drops them
+    assert first.peak_bytes <= eager.peak_bytes
+    assert abs(plan.predicted_peak_bytes - first.peak_bytes) <= 0.01 * first.peak_bytes
+    for k, g in eager.grads.items():
+        torch.testing.assert_close(first.grads[k], g, rtol=0, atol=0)
+    assert measure_training_step(lambda: _loss_outside(opt, ids, targets), model, ()).peak_bytes <= eager.peak_bytes
+    assert opt.plan is plan  # the first backward saw what the plan assumed
+
+
+def test_a_caller_holding_the_logits_is_told_the_first_steps_peak():
+    """What a first plan made for dropped logits guarantees a caller who holds them (`logits = model(x)`, the
+    loss from them, `backward()`): that step peaks at the plan's schedule with the logits held, which the
+    warning gives, before that backward runs; the next call plans for the hold (here: no plan can)."""
+    model, ids, targets = _tiny_lm()
+    kept = []
+
+    def holding(m):
+        def call():
+            logits = m(ids)
+            kept.append(logits)  # e.g. for accuracy after the step
+            return _loss_outside(lambda _ids: logits, ids, targets)
+        return call
+
+    budget = measure_training_step(lambda: _loss_outside(model, ids, targets), model, ()).peak_bytes
+    opt = optsched.optimize(model, budget, time_limit_s=1)
+    with pytest.warns(optsched.OutputUsageWarning, match=r"planned 'g-', seen 'gh'") as seen:
+        first = measure_training_step(holding(opt), model, ())
+    kept.clear()
+    (message,) = [str(w.message) for w in seen if isinstance(w.message, optsched.OutputUsageWarning)]
+    told = re.search(r"its plan peaks at ([0-9.]+) MiB \(predicted ([0-9.]+) MiB; over the budget ([0-9.]+) MiB\)", message)
+    assert told, message
+    assert abs(float(told[1]) - first.peak_bytes / 2**20) <= 0.01  # what the step measured, to the MiB's 1/100
+    assert float(told[2]) <= budget / 2**20 < first.peak_bytes / 2**20
+    with pytest.raises(BudgetInfeasibleError):  # held through the backward, the logits no longer fit
+        holding(opt)()

@@ -111,6 +111,7 @@ def _tanh_net() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh())
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True", "ignore:optsched. the autograd engine held")
 @pytest.mark.parametrize("keep", [dict(retain_graph=True), dict(create_graph=True)])
 def test_a_backward_that_keeps_the_graph_is_refused_with_the_fix(keep):
     torch.manual_seed(0)
@@ -164,3 +165,47 @@ def test_the_exact_cumulative_average_the_fix_gives_equals_eagers():
             assert torch.equal(a, b)
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_an_optimized_parametrized_module_is_optimized_again():
+    torch.manual_seed(0)
+    model = parametrizations.orthogonal(nn.Linear(8, 8))
+    first = optsched.optimize(model, None, time_limit_s=1)
+    with pytest.warns(UserWarning, match="already returned"):
+        again = optsched.optimize(first, None, time_limit_s=1)
+    assert again.__dict__["_compiled_call_impl"] is not first.__dict__["_compiled_call_impl"]
+    x = torch.randn(4, 8)
+    assert torch.equal(again(x), model(x))
+
+
+def test_a_backward_that_keeps_the_graph_after_plain_steps_is_refused_with_the_fix():
+    # after plain backwards AOTAutograd's donated-buffer check ran first ("compiled with non-empty donated
+    # buffers"), naming neither optsched nor a fix
+    torch.manual_seed(0)
+    model = _tanh_net()
+    optimized = optsched.optimize(model, None, time_limit_s=1)
+    for _ in range(3):
+        optimized(torch.randn(16, 32)).square().sum().backward()
+    with pytest.raises(KeptGraphError, match="^optsched: .*Fix: call backward\\(\\) once per forward"):
+        optimized(torch.randn(16, 32)).square().sum().backward(retain_graph=True)
+
+
+@pytest.mark.parametrize("parametrize", [parametrizations.orthogonal, parametrizations.weight_norm])
+def test_a_deep_copy_of_an_optimized_parametrized_module_is_independent_and_optimized(parametrize):
+    torch.manual_seed(0)
+    model = parametrize(nn.Linear(8, 8))
+    optimized = optsched.optimize(model, None, time_limit_s=1)
+    optimized(torch.randn(4, 8)).square().sum().backward()
+    twin = copy.deepcopy(optimized)
+    assert isinstance(twin.__dict__.get("_compiled_call_impl"), optsched.api.Dispatcher)
+    assert not any(p is q for p, q in zip(twin.parameters(), model.parameters()))
+    for p, q in zip(twin.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    eager = copy.deepcopy(model)
+    for p in (*twin.parameters(), *eager.parameters()):
+        p.grad = None
+    x = torch.randn(4, 8)
+    twin(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for p, q in zip(twin.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -233,3 +233,45 @@ def test_hf_gradient_checkpointing_enable():
     plan, planned = _planned(module, inputs)
     _assert_honoured(plan, planned, user)
     assert "2 regions" in _user_note(plan)
+
+
+class CheckpointedLM(nn.Module):
+    """Checkpointed blocks between an embedding and a vocabulary head; returns the logits (the caller's loss)."""
+
+    def __init__(self, vocab=1000, width=32, n=2, reentrant=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(n))
+        self.head = nn.Linear(width, vocab)
+        self.reentrant = reentrant
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_loss_outside_a_checkpointed_model(reentrant):
+    """Issue 33: with the loss outside (`F.cross_entropy(model(x), y)`) the first call planned as if the caller
+    held the logits through the backward: the user's checkpointed step, the reference of a percentage, counted
+    them, and so did the proven bound, which refused the user's own eager peak as a budget ("none can")."""
+    torch.manual_seed(0)
+    model = CheckpointedLM(reentrant=reentrant)
+    ids, targets = torch.randint(0, 1000, (4, 64)), torch.randint(0, 1000, (4, 64))
+
+    def step(m):
+        return lambda: F.cross_entropy(m(ids).flatten(0, 1), targets.flatten())
+
+    user = measure_training_step(step(model), model, ())
+    opt = optsched.optimize(model, user.peak_bytes, time_limit_s=0.5)
+    first = measure_training_step(step(opt), model, ())  # the first call: plans, then runs
+    assert first.peak_bytes <= user.peak_bytes
+    assert abs(opt.plan.predicted_peak_bytes - first.peak_bytes) <= 0.01 * first.peak_bytes
+    assert opt.plan.summary()["output_usage"] == "g-"  # a gradient into the logits, which the caller drops
+    assert torch.equal(first.loss, user.loss) and all(torch.equal(first.grads[k], g) for k, g in user.grads.items())
+    share = optsched.optimize(model, "100%", time_limit_s=0.5)
+    share(ids)
+    reference = share.plan.summary()["budget_reference_peak_bytes"]  # the user's checkpointed step as it runs
+    assert abs(reference - user.peak_bytes) <= 0.01 * user.peak_bytes

@@ -2,7 +2,7 @@
 
 The comparison is with the real thing, not a re-implementation: `capture_training_step` captures a
 model's joint forward+backward graph through AOTAutograd exactly as optsched's backend does (the same
-`drop_identity_clones` pass, `build_joint_graph`, `build_problem`, the same guessed output usage), and
+`prepare_training` passes, `build_joint_graph`, `build_problem`, the same guessed output usage), and
 keeps an untouched copy of the joint graph. `mincut_choice` hands a copy of that graph to
 `torch._functorch.partitioners.min_cut_rematerialization_partition` under
 `torch._functorch.config.patch(activation_memory_budget=...)` and reads its answer back:
@@ -39,7 +39,7 @@ from ..capture.output_usage import default_usage, tangent_outputs
 from ..costs.problem_builder import Built, build_problem, reuse_candidates
 from ..costs.profiles import DeviceProfile, get_profile
 from ..costs.profiling import profile_nodes
-from ..passes.identity_clones import drop_identity_clones
+from ..passes.prepare import prepare_training
 from ..solvers import Phase, Problem, Schedule, SimResult, TensorKind, simulate
 from ..solvers.search.heuristics import place_recomputes
 
@@ -91,7 +91,7 @@ def capture_training_step(
     captured: dict = {}
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-        drop_identity_clones(joint)
+        prepare_training(joint)
         jg = build_joint_graph(joint, num_fwd_outputs)
         usage = default_usage(jg.fw_outputs, tangent_outputs(joint, jg.tangents))
         costs = profile_nodes(joint, torch.device("cpu"), reuse_candidates(jg)) if measure else None

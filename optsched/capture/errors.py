@@ -162,7 +162,7 @@ _LOGGING_FIX = ("optsched drops logging.Logger methods, logging.* and warnings.w
 _GENERIC_FIX = "move this out of forward, or rewrite it with torch operations"
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # REVERTED  # optsched/, not optsched/capture/
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # optsched/, not optsched/capture/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 

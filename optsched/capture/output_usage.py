@@ -12,10 +12,15 @@ caller, not the model:
   through the backward; `loss_fn(model(x), y).backward()` drops it as soon as the loss is made.
 
 The plan is made on a guess (`default_usage`): only scalar outputs get gradients when there is a
-differentiable scalar (a loss), every differentiable output otherwise; outputs that get gradients
-are held through the backward, the others dropped after the forward. Each backward observes what
-the caller really did (`UsageObserver`); when that differs from the plan's guess, the next call
-plans again with the observed usage, so from the second step on the plan follows the caller.
+differentiable scalar (a loss), every differentiable output otherwise; and the caller holds none of
+them through the backward (`loss_fn(model(x), y).backward()`: the loss's graph keeps what the loss
+saves, cross-entropy its log-softmax, not the output), so the first plan, its budget's reference and
+its bound are those of the step as it runs there. Each backward observes what the caller really did
+(`UsageObserver`); when that differs from the plan's guess, the next call plans again with the
+observed usage, so from the second step on the plan follows the caller. A caller that holds an output
+the plan assumed dropped (`out = model(x); loss_fn(out, y).backward()`) runs that first step up to the
+output's bytes above the prediction: the warning (`warn_if_underplanned`) gives the planned schedule's
+peak with the outputs held, simulated, against the budget.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int 
 
 
 def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage:
-    """The plan's guess before any backward was seen (see the module docstring)."""
+    """The plan's guess before any backward was seen (see the module docstring): gradients into the loss, else
+    into every differentiable output; nothing held but a scalar loss (whose hold no plan feels)."""
     n = len(fw_outputs)
     differentiable = {i for i in tangent_of if i is not None}
 
@@ -74,7 +80,7 @@ def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage
 
     scalars = {i for i in differentiable if is_scalar(i)}
     grad = tuple(i in (scalars or differentiable) for i in range(n))
-    return OutputUsage(grad, grad)
+    return OutputUsage(grad, tuple(g and i in scalars for i, g in enumerate(grad)))
 
 
 class UsageObserver:
@@ -87,13 +93,15 @@ class UsageObserver:
     (once per program: the next call re-plans)."""
 
     def __init__(
-        self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[[OutputUsage, OutputUsage], None] | None,
+        self, planned: OutputUsage, tangent_of: list[int | None], on_change: Callable[..., None] | None,
         scalar: list[bool] | None = None, views: list[bool] | None = None,
+        peak_of: Callable[[OutputUsage], SeenPeak | None] | None = None,
     ):
         n = len(planned.grad)
         self.planned = planned
         self.tangent_of = tangent_of
-        self.on_change = on_change
+        self.on_change = on_change  # on_change(seen, planned, peak): peak from `peak_of` (None without it)
+        self.peak_of = peak_of  # the plan's peak with the outputs used as seen (see SeenPeak)
         self.scalar = scalar or [False] * n  # whether a 0-dim scalar is held changes no plan: not observed
         self.views = views or [False] * n
         self.refs: list[weakref.ref | None] = []
@@ -158,23 +166,43 @@ class UsageObserver:
         seen = OutputUsage(tuple(grad), tuple(held))
         if seen != self.planned:
             self.reported = True
-            self.on_change(seen, self.planned)
+            self.on_change(seen, self.planned, self.peak_of(seen) if self.peak_of is not None else None)
 
 
 class OutputUsageWarning(UserWarning):
     """A step used its outputs in a way that needs more memory than its plan assumed."""
 
 
-def warn_if_underplanned(seen: OutputUsage, planned: OutputUsage, budgeted: bool) -> None:
+@dataclass(frozen=True)
+class SeenPeak:
+    """A plan's schedule simulated with the outputs used as the caller was seen to (a held output live to the
+    step's end): the peak that step had, against the plan's prediction and budget."""
+
+    peak_bytes: int
+    predicted_bytes: int
+    budget_bytes: int | None
+
+    def describe(self) -> str:
+        mib = 2**20
+        text = f"with them so used its plan peaks at {self.peak_bytes / mib:.2f} MiB (predicted {self.predicted_bytes / mib:.2f} MiB"
+        if self.budget_bytes is None:
+            return text + ")"
+        where = "within" if self.peak_bytes <= self.budget_bytes else "over"
+        return text + f"; {where} the budget {self.budget_bytes / mib:.2f} MiB)"
+
+
+def warn_if_underplanned(seen: OutputUsage, planned: OutputUsage, budgeted: bool, peak: SeenPeak | None = None) -> None:
     """A gradient into an output the plan thought gets none, or an output held that it thought dropped:
-    this step may have gone above its predicted peak (the next call plans for it). Said once per program,
-    and only when there is a budget to go over."""
+    this step may have gone above its predicted peak (`peak`: by how much, when known; the next call plans
+    for it). Said once per program, and only when there is a budget to go over."""
     more = [i for i, (g, h, pg, ph) in enumerate(zip(seen.grad, seen.held, planned.grad, planned.held)) if (g and not pg) or (h and not ph)]
     if budgeted and more:
         warnings.warn(
             f"optsched: forward output(s) {more} were used in a way this step's plan did not assume "
             f"(planned {planned.describe()!r}, seen {seen.describe()!r}: g = a gradient flows in, h = held through "
-            "the backward), so this step may have gone above its predicted peak; the next call plans for it",
+            "the backward), so this step may have gone above its predicted peak"
+            + (f": {peak.describe()}" if peak is not None else "")
+            + "; the next call plans for it",
             OutputUsageWarning, stacklevel=2,
         )
 
@@ -216,6 +244,6 @@ def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]])
 
 
 __all__ = [
-    "OutputUsage", "OutputUsageWarning", "UsageObserver", "default_usage", "fill_missing_tangents",
+    "OutputUsage", "OutputUsageWarning", "SeenPeak", "UsageObserver", "default_usage", "fill_missing_tangents",
     "release_unused_grads", "tangent_outputs", "warn_if_underplanned",
 ]

@@ -8,6 +8,7 @@ forward and backward wrappers observe what the caller does with the outputs (`ou
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -21,15 +22,17 @@ from ..budget import BudgetResolution
 from ..costs.measure import device_of
 from ..lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from ..lower.programs import boxed, lower_inference, lower_training
-from ..passes.identity_clones import drop_identity_clones
-from ..passes.prepare import prepare_inference
+from ..passes.prepare import prepare_inference, prepare_training
 from ..planner import CostCache, Planner, Target
 from ..plans.file_format import PlanFile
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
 from ..capture.errors import check_static_sizes
 from ..capture.joint_graph import build_joint_graph
-from ..capture.output_usage import OutputUsage, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs
+from ..capture.output_usage import (
+    OutputUsage, SeenPeak, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs,
+)
+from ..solvers import simulate
 from ..capture.tangent_handover import TangentHandover, can_hand_over
 
 
@@ -42,6 +45,24 @@ def _view_outputs(jg) -> list[bool]:
     tensor we never see). `_unsafe_view` results (a linear layer's 3-d output) go out as they are."""
     return [isinstance(o, fx.Node) and jg.is_view(o) and o.target is not torch.ops.aten._unsafe_view.default
             for o in jg.fw_outputs]
+
+
+def _peak_as_seen(plan: Plan, jg) -> Callable[[OutputUsage], SeenPeak | None]:
+    """For a usage the observer saw: the plan's schedule simulated with the outputs it saw held live to the
+    step's end (what that step peaked at). None when a gradient came that the plan did not expect (the
+    caller's loss is then unknown) or nothing more is held."""
+    storages = [jg.node_storages(o) if isinstance(o, fx.Node) else () for o in jg.fw_outputs]
+
+    def peak(seen: OutputUsage) -> SeenPeak | None:
+        problem = plan.problem
+        planned = OutputUsage.parse(plan.output_usage or "")
+        held = {s for i, h in enumerate(seen.held[: len(storages)]) if h for s in storages[i]} - problem.outputs
+        if any(g and not p for g, p in zip(seen.grad, planned.grad)) or not held:
+            return None
+        varied = dataclasses.replace(problem, outputs=problem.outputs | held, returned=problem.returned - held)
+        return SeenPeak(simulate(varied, plan.schedule).peak_bytes, plan.predicted_peak_bytes, plan.budget_bytes)
+
+    return peak
 
 
 class CompileHooks(Protocol):
@@ -158,6 +179,11 @@ class PlanningBackend:
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs):
         """The planned forward, saying that this variant ran and telling the usage observer what the caller was handed."""
+        # no donated buffers: our backward frees (and may write into) saved tensors itself, and refuses a kept graph
+        # with its own error (lower.programs.KeptGraphError), which AOTAutograd's donated-buffer check would pre-empt
+        context = torch._guards.TracingContext.try_get()
+        if context is not None and context.fw_metadata is not None:
+            context.fw_metadata.bw_donated_idxs = []
         return self._recording_runs(boxed(gm), self.observer)
 
     def _recording_runs(self, run: Callable, observer: UsageObserver | None = None) -> Callable:
@@ -201,7 +227,7 @@ class PlanningBackend:
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         """Plan the training step and lower it: the planned forward and backward."""
-        drop_identity_clones(joint)  # dropout(p=0) and the like: eager returns the input, the trace copies it
+        prepare_training(joint)  # dropout(p=0), in-place activations, BatchNorm: what eager never keeps
         tangent_of = tangent_outputs(joint, [p for p in joint.graph.find_nodes(op="placeholder") if "tangents" in p.name])
         handed = can_hand_over(joint, num_fwd_outputs, tangent_of)
         self.handover = TangentHandover(num_fwd_outputs, tangent_of) if handed else None
@@ -209,7 +235,8 @@ class PlanningBackend:
         usage, tangent_of = self._training_usage(joint, jg)
         plan, items = self.planner.plan(joint, jg, "training step", usage)
         self.observer = UsageObserver(
-            OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, _scalar_outputs(jg), _view_outputs(jg)
+            OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, _scalar_outputs(jg), _view_outputs(jg),
+            _peak_as_seen(plan, jg),
         )
         fw, bw, _saved = lower_training(
             jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime

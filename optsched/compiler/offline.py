@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from ..passes.prepare import prepare_inference
+from ..passes.prepare import prepare_inference, prepare_training
 from ..planner import Planner, Target, default_offload, host_budget_bytes
 from ..settings import PlanningSettings
 from .backend import PlanningBackend, aot_hooks
@@ -42,7 +42,6 @@ from ..budget import parse_planning_options
 from ..costs.profiles import DeviceProfile, NodeCosts, get_profile, node_bytes, node_flops
 from ..executors import NAMES as EXECUTORS
 from ..capture.joint_graph import build_joint_graph
-from ..passes.identity_clones import drop_identity_clones
 from ..plans.plan import Plan
 from ..costs.sdpa_prediction import CudaAttention
 
@@ -169,7 +168,7 @@ class OfflineBackend(PlanningBackend):
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         """Plan the training step; return AOTAutograd's default partition, never run."""
         self._captured()
-        drop_identity_clones(joint)  # as optimize() does, so the fingerprints agree
+        prepare_training(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
         self.planner.plan(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from .batch_norm import drop_unread_running_stats
 from .foreach_split import split_foreach as split_foreach_ops
+from .identity_clones import drop_identity_clones
 from .inplace import fold_copy_back
 from .restore_ops import restore_fused_pointwise
 from .scalar_batching import batch_scalar_foreach, batch_scalar_ops
+
+
+def prepare_training(joint: fx.GraphModule) -> None:
+    """The joint (training) graph's passes, before `build_joint_graph`: drop what eager never keeps."""
+    drop_identity_clones(joint)  # dropout(p=0), in-place activations' copies: eager returns the input
+    drop_unread_running_stats(joint)  # BatchNorm's backward in training mode: eager saves the buffers
 
 
 def prepare_inference(gm: fx.GraphModule, split_foreach: bool = False) -> None:

@@ -261,7 +261,24 @@ class Dispatcher:
         return PlanningBackend(
             self.settings, on_plan, resolution=resolution, carried=self.carried, usage=usage, on_usage=on_usage,
             grads_at_start=bool(base and base[2]), cost_cache=self.cost_cache, state=self._module_state(),
+            first_micro_batch=self._first_micro_batch(base) if base and base[2] else None,
         )
+
+    def _first_micro_batch(self, base: tuple) -> Callable[[], Plan | None]:
+        """For an accumulation step's planner: the plan of the same signature without gradients to start with, when
+        asked (weakly: the entries may be dropped meanwhile)."""
+        owner_ref = weakref.ref(self)
+
+        def plan() -> Plan | None:
+            dispatcher = owner_ref()
+            if dispatcher is None:
+                return None
+            for (other, _usage), entry in reversed(dispatcher.entries.items()):
+                if not other[2] and other[:2] == base[:2] and other[3:] == base[3:] and entry.plan is not None:
+                    return entry.plan
+            return None
+
+        return plan
 
     def _module_state(self) -> Callable[[], list] | None:
         """The module's named parameters and buffers when asked (weakly: a plan must not keep it alive)."""
@@ -517,7 +534,9 @@ def optimize(
     the bytes already proven for a larger shape of the same program: a training program whose
     own share is below its proven bound (a small last batch, dominated by the parameters and
     gradients) takes the largest training program's bytes when they reach its bound (the plan's
-    notes and summary()["budget_from"] say so); before any larger one, it raises.
+    notes and summary()["budget_from"] say so); before any larger one, it raises. A step that
+    accumulates into gradients already set whose own share no plan meets takes what the first
+    micro-batch's plan peaks at with the gradients live (which that plan meets).
 
     A module comes back as a module of the same class that shares the original's
     parameters, buffers and submodules; its copies (copy, deepcopy, pickle, torch.save)

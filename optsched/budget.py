@@ -225,6 +225,9 @@ LARGEST_TRAINING_PROGRAM = "the largest training program"
 FIRST_TRAINING_PROGRAM = "the first training program"  # files made before issue 24: its bytes for every program
 # a training program whose own share is below its proven bound, given the bytes of a larger one (issue 33)
 LARGER_TRAINING_PROGRAM = "a larger training program"
+# an accumulation step (gradients live from its start) whose own share no plan met, given what the plan of the same
+# step without gradients to accumulate into peaks at with them (issue 33: a loop never stops at its second micro-batch)
+FIRST_MICRO_BATCH = "the first micro-batch's plan"
 AUTO_SOURCE = "the device's free memory at the first call"
 TRAINING_SHAPES_KEPT = 1024  # training signatures a resolution remembers the bytes of, the oldest forgotten first
 

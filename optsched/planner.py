@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .budget import LARGER_TRAINING_PROGRAM, Budget, BudgetResolution
+from .budget import FIRST_MICRO_BATCH, LARGER_TRAINING_PROGRAM, Budget, BudgetResolution
 from .capture.fingerprint import fingerprint
 from .capture.joint_graph import JointGraph, build_joint_graph
 from .capture.output_usage import OutputUsage
@@ -54,7 +54,8 @@ from .plans.reuse import plan_from_file, start_schedule
 from .progress import LiveLine
 from .settings import PlanningSettings
 from .solvers import (
-    BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, TensorKind, default_schedule, simulate, solve,
+    BudgetInfeasibleError, PlanningTimeLimitError, Problem, Schedule, ScheduleError, SimResult, Solution, TensorKind,
+    default_schedule, simulate, solve,
 )
 from .solvers.model import clock
 from .solvers.model.problem import FusionOption, convexity_violation
@@ -182,6 +183,7 @@ class Planner:
         costs: Callable[[fx.GraphModule, JointGraph], NodeCosts | None] | None = None,
         grads_at_start: bool = False,
         cost_cache: CostCache | None = None,
+        first_micro_batch: Callable[[], Plan | None] | None = None,
     ):
         self.settings = settings
         self.target = target
@@ -192,6 +194,8 @@ class Planner:
         self.costs = costs or self.measured_costs
         self.cost_cache = cost_cache  # measured costs of graphs planned before (shared by one optimized callable's planners)
         self.grads_at_start = grads_at_start  # an accumulation step (api.grads_at_start)
+        # an accumulation step's plan of the same step without gradients to start with (see _accumulate_as_first)
+        self.first_micro_batch = first_micro_batch or (lambda: None)
         self.caller_inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold_inputs)
         self.unread_state: list[tuple[str, int]] = []  # the module's state the program does not read (see hold_inputs)
         self._lent: dict | None = None  # this program's budget: a larger training program's bytes (_lend_larger)
@@ -388,6 +392,34 @@ class Planner:
                       "own_bound_bytes": lower}
         self._lent_note = r.explain_lent(record, own, lower, reference)
         return record["bytes"]
+
+    def _first_micro_batch(self, problem: Problem) -> tuple[Schedule, SimResult] | None:
+        """An accumulation step under a percentage: the plan of the same step without gradients to accumulate
+        into (the first micro-batch's), simulated here with them live; None when there is none or it plans
+        other ops (another fusion or chunk count)."""
+        if not (self.grads_at_start and problem.has_backward and self.resolution.is_percentage):
+            return None
+        first = self.first_micro_batch()
+        if first is None or [o.name for o in first.problem.ops] != [o.name for o in problem.ops]:
+            return None
+        try:
+            return first.schedule, simulate(problem, first.schedule)
+        except (ScheduleError, KeyError, ValueError):
+            return None
+
+    def _accumulate_as_first(self, first: SimResult, own: int | None, e: BudgetInfeasibleError, reference: int) -> int:
+        """The bytes an accumulation step takes when no plan met its own share: what the first micro-batch's plan
+        peaks at with the gradients live (that plan fits them, so the loop goes on at its second micro-batch),
+        recorded for its plan (`_lent`, a note)."""
+        mib = 2**20
+        self._lent = {"program": FIRST_MICRO_BATCH, "unplanned_peak_bytes": reference, "bytes": first.peak_bytes,
+                      "own_bytes": own, "own_bound_bytes": e.lower_bound_bytes if e.proven else None}
+        self._lent_note = (
+            f"an accumulation step (gradients live from its start): its own share of {self.settings.budget} is "
+            f"{own / mib:.2f} MiB, which no plan met ({'proven' if e.proven else 'none found'}); planned with "
+            f"{first.peak_bytes / mib:.2f} MiB, what the first micro-batch's plan peaks at with the gradients live"
+        )
+        return first.peak_bytes
 
     def fuse(
         self, jg: JointGraph, built: Built, groups_of_ops: list[list[int]], cache: dict | None = None, *,
@@ -700,13 +732,24 @@ class Planner:
         account = getattr(self, "_time", None) or _PlanningTime()
         limit, start = account.slice(limit), clock.now()
         hint = start_schedule(self.settings.start_from, problem)
-        # checkpointing already in the model caps the budget: never above the user's own plan
-        try:
-            budget_bytes, sol = solve_within_user_checkpointing(
-                problem, items, budget_bytes, lambda b: solve(
+        first = self._first_micro_batch(problem) if explained and self._lent is None else None
+        hint = hint or (first[0] if first is not None else None)
+
+        def solve_at(b: int | None) -> tuple[int | None, Solution]:
+            # checkpointing already in the model caps the budget: never above the user's own plan
+            return solve_within_user_checkpointing(
+                problem, items, b, lambda b: solve(
                     problem, b, time_limit_s=limit, progress=progress, deterministic=self.settings.deterministic_planning,
                     hint=hint)
             )
+
+        try:
+            try:
+                budget_bytes, sol = solve_at(budget_bytes)
+            except BudgetInfeasibleError as e:
+                if first is None or budget_bytes is None or first[1].peak_bytes <= budget_bytes:
+                    raise
+                budget_bytes, sol = solve_at(self._accumulate_as_first(first[1], own, e, reference))
         except BudgetInfeasibleError as e:
             how = (self._lent_note or self.resolution.explain(reference, training=problem.has_backward)) if explained else None
             below = self.resolution.explain_below_bound(own, e.lower_bound_bytes, problem.has_backward) \
@@ -750,6 +793,13 @@ class Planner:
         again, with no PlanMismatchError: what differs is the loop's history, not the settings."""
         wanted = self.made_for(name)
         made = pf.data["made_for"]
+        if made.get("budget_from") == FIRST_MICRO_BATCH and self.resolution.is_percentage:
+            # an accumulation step's bytes came from the first micro-batch's plan (replayed from its own file)
+            mismatch = pf.describe_mismatch(fp, **{**wanted, "budget_from": FIRST_MICRO_BATCH,
+                                                   "budget_resolved_bytes": made.get("budget_resolved_bytes")})
+            if mismatch is None:
+                self._lent = dict(made.get("budget_reference") or {})
+            return mismatch, True
         if made.get("budget_from") != LARGER_TRAINING_PROGRAM or not self.resolution.is_percentage:
             return pf.describe_mismatch(fp, **wanted), False
         largest = self.resolution.largest

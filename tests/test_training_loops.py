@@ -123,3 +123,29 @@ def test_plan_describes_the_program_that_ran_when_autocast_switches():
     assert bf16 is not fp32
     assert any(t.bytes == 16 * 128 * 2 for t in bf16.problem.tensors)  # a bf16 activation
     assert step() is fp32
+
+
+def test_a_second_micro_batch_whose_share_no_plan_meets_runs_with_the_first_micro_batchs_plan():
+    """A loop never stops at its second micro-batch (issue 33): at "60%" the accumulation step's own share is below
+    its proven bound (the gradients it starts with do not shrink), so it takes what the first micro-batch's plan
+    peaks at with the gradients live, which that plan meets; the note and budget_from say so."""
+    from benchmarks.models import gpt
+
+    from optsched.budget import FIRST_MICRO_BATCH
+
+    cfg = gpt.GPTConfig()
+    model = gpt.build(cfg)
+    batches = [gpt.make_batch(cfg, batch_size=4, seed=s) for s in range(2)]
+    eager_peak, eager_grads = _accumulating_step(model, model, batches)
+    opt = optsched.optimize(model, "60%", time_limit_s=2)
+    opt_peak, opt_grads = _accumulating_step(opt, model, batches)
+    plan = opt.plan
+    assert plan.summary()["grads_at_start"] is True
+    assert plan.summary()["budget_from"] == FIRST_MICRO_BATCH
+    own = plan.budget_from["own_bytes"]
+    assert own < plan.budget_from["own_bound_bytes"] <= plan.budget_bytes  # proven out of reach; the lent bytes are not
+    assert any("first micro-batch's plan" in n for n in plan.stats.notes)
+    assert opt_peak <= plan.budget_bytes < eager_peak
+    assert opt_peak == plan.predicted_peak_bytes
+    for k, g in eager_grads.items():
+        assert torch.equal(opt_grads[k], g), k

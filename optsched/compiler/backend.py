@@ -126,11 +126,13 @@ class PlanningBackend:
         grads_at_start: bool = False,
         cost_cache: CostCache | None = None,
         state: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        first_micro_batch: Callable[[], Plan | None] | None = None,
     ):
         self.settings = settings
         self.state = state  # the module's named parameters and buffers (see Planner.hold_inputs)
         self.cost_cache = cost_cache  # measured op costs shared with the optimized callable's other programs
         self.grads_at_start = grads_at_start  # an accumulation step: gradients live from the start (api.grads_at_start)
+        self.first_micro_batch = first_micro_batch  # its plan without gradients to start with (Planner.first_micro_batch)
         self.on_plan = on_plan
         self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
         self.carried = carried or {}
@@ -150,6 +152,7 @@ class PlanningBackend:
         variant.planner = Planner(
             self.settings, target, variant._on_plan, resolution=self.resolution, carried=self.carried,
             observed_usage=self.usage, grads_at_start=self.grads_at_start, cost_cache=self.cost_cache,
+            first_micro_batch=self.first_micro_batch,
         )
         variant.planner.hold_inputs(list(example_inputs), self.state() if self.state is not None else ())
         return aot_autograd(**aot_hooks(variant))(gm, example_inputs)

@@ -19,7 +19,9 @@ SUMMARY_KEYS = {
     "budget_from": "how a percentage budget became budget_bytes: 'this program' (a share of this program's own "
     "unplanned peak: every training program, and a forward-only one planned before any), 'the training program of "
     "the same shapes' or 'the largest training program' (a forward-only program takes that program's bytes), 'a "
-    "larger training program' (a training program whose own share is below its bound takes the largest one's), or "
+    "larger training program' (a training program whose own share is below its bound takes the largest one's), "
+    "'the first micro-batch\'s plan' (an accumulation step no plan met the share of takes that plan's peak with "
+    "the gradients live), or "
     "'the device's free memory at the first call' (\"auto\"); None for a budget in bytes or no budget",
     "budget_reference_peak_bytes": "the unplanned peak the percentage was taken of: the program as captured, or, "
     "for a model with its own activation checkpointing, the step as it checkpoints (None unless budget_from is set)",

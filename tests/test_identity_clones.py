@@ -50,3 +50,23 @@ def test_only_copies_that_keep_the_layout_of_an_intermediate_go():
     assert clones() == before - 1
     x = torch.randn(4, 8)
     assert all(torch.equal(a, b) for a, b in zip(gm(x), f(x)))
+
+
+def test_a_program_that_writes_keeps_only_the_copies_of_written_values():
+    """BatchNorm's running-stat writes used to keep every copy (an in-place SiLU's saved input among them);
+    now only a copy of a value some op writes into stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from optsched.passes.identity_clones import drop_identity_clones
+
+    def f(x, buf):
+        h, s = x.relu(), x.sin()
+        kept, gone = h.clone(), s.clone()
+        h.add_(1)  # h is written after its copy: the copy holds the old values
+        buf.copy_(s)  # a write into the caller's buffer, as BatchNorm's running statistics
+        return kept * 2, gone * 3, h
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.zeros(4, 8))
+    assert drop_identity_clones(gm) == 1
+    x = torch.randn(4, 8)
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, torch.zeros(4, 8)), f(x, torch.zeros(4, 8))))

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--profile", default="h100")
     ap.add_argument("--budgets", default="0.7,0.6,0.5,0.45", help="fractions of the unplanned (simulated) peak")
-    ap.add_argument("--time-limit", type=float, default=10.0, help="planning time limit per plan, seconds")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="planning time limit per plan (work: about seconds when idle)")
     ap.add_argument("--cpu-fraction", type=float, default=0.55, help="budget of the CPU run; 0 skips it")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path, default=RESULTS / "offload.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 from concurrent.futures import Future
 
 import pytest
@@ -129,6 +130,63 @@ def test_view_of_host_tensor_keeps_set_busy() -> None:
     _step(rt, xs)
     assert rt.n_buffer_sets == 2
     _assert_same(view, xs[0][1:])
+
+
+NO_USE_COUNT = pytest.mark.filterwarnings("ignore:torch._C._storage_Use_Count is missing:RuntimeWarning")
+
+
+@NO_USE_COUNT
+def test_without_the_use_count_a_set_is_never_reused_while_a_view_may_live(monkeypatch) -> None:
+    """Without torch's storage use count a view's life cannot be seen: every set counts as busy (it was
+    counted free, and the next step overwrote the view's data); dead sets are forgotten, so host memory
+    stays bounded."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    xs = _tensors(CPU)
+    rt = OffloadRuntime(_specs(xs), CPU, "cpu")
+    view = _step(rt, xs)[0][1:]  # the host tensor itself is dead, its view is not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hosts = _step(rt, [x + 1 if x.dtype != torch.bfloat16 else x * 3 for x in xs])
+    _assert_same(view, xs[0][1:])
+    assert any("_storage_Use_Count is missing" in str(w.message) for w in caught)  # said, not silent
+    for _ in range(3):  # each step a fresh set; the dead ones are not kept
+        del hosts
+        hosts = _step(rt, xs)
+        assert rt.n_buffer_sets == 1
+    for x, y in zip(xs, _back(rt, hosts)):
+        _assert_same(y, x)
+
+
+@NO_USE_COUNT
+def test_an_offloading_plan_without_the_use_count_allocates_fresh_sets_and_keeps_eagers_gradients(monkeypatch) -> None:
+    """The safe path end to end: an offloading plan's steps, with the symbol gone, each take a fresh host set."""
+    import optsched
+    from optsched.measure import measure_training_step
+
+    class Chain(torch.nn.Module):  # activations (4096 x 64) dwarf the weights: the plan offloads some
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())],
+                                           torch.nn.Linear(64, 1))
+
+        def forward(self, x):
+            return self.net(x).square().mean()
+
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(4096, 64)
+    eager = measure_training_step(model, model, (x,))
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    opt = optsched.optimize(model, "60%", example_inputs=(x,), offload=True, time_limit_s=1)
+    assert opt.plan.summary()["n_offloaded"] > 0
+    made, new_set = [], OffloadRuntime._new_set
+    monkeypatch.setattr(OffloadRuntime, "_new_set", lambda self: made.append(1) or new_set(self))
+    for step in range(1, 3):
+        got = measure_training_step(opt, model, (x,))
+        assert len(made) == step  # the fallback: a fresh set each step, none reused
+        assert torch.equal(got.loss, eager.loss)
+        assert got.grads.keys() == eager.grads.keys()
+        for k in eager.grads:
+            assert torch.equal(got.grads[k], eager.grads[k]), k
 
 
 class _InlineExecutor:

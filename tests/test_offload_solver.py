@@ -105,6 +105,22 @@ def test_mixing_beats_recomputation_alone_when_copies_hide(frac):
     assert mixed.stats.bound_s <= mixed.sim.time_s
 
 
+def test_solve_searches_on_counted_work_unless_told_otherwise(monkeypatch):
+    """The test above failed on a loaded machine while solve raced the wall clock: by default solve counts
+    work (as optimize() does), so a busy machine gets the same plan, later; deterministic=False opts out."""
+    from optsched.solvers.model import clock
+    from optsched.solvers.search import strategy
+
+    seen, run = [], strategy.run_portfolio
+    monkeypatch.setattr(strategy, "run_portfolio", lambda *a, **k: (seen.append(clock.is_deterministic()), run(*a, **k)))
+    p = chain_training_problem(8, act_bytes=MB, host_bw=1e9)
+    budget = int(0.6 * simulate(p, default_schedule(p)).peak_bytes)
+    a, b = (solve(p, budget, time_limit_s=TIME_LIMIT_S) for _ in range(2))
+    assert seen == [True, True] and a.schedule == b.schedule
+    solve(p, budget, time_limit_s=0.2, deterministic=False)
+    assert seen[-1] is False
+
+
 def test_a_small_host_budget_limits_offloading():
     p = chain_training_problem(8, act_bytes=MB, host_bw=1e10)
     budget = int(0.6 * simulate(p, default_schedule(p)).peak_bytes)

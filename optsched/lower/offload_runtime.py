@@ -6,7 +6,8 @@ compute: on CUDA they run on one side stream per direction, on CPU on one worker
 direction (which exercises the same program structure where no GPU exists).
 
 Host memory comes from preallocated buffer sets (one flat buffer per set, every slot at a
-fixed offset), so a training step allocates no host memory in the common case, and on CPU
+fixed offset), so a training step allocates no host memory in the common case (a set is reused
+only when torch's storage reference count proves it free; without that count, a fresh set per step), and on CPU
 the only allocations are the ones the plan accounts for (a prefetch's destination, made on
 the calling thread so that the profiler's allocation events show it where the plan says).
 """
@@ -14,6 +15,7 @@ the calling thread so that the profiler's allocation events show it where the pl
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,18 +72,26 @@ class HostBuffers:
     slots: list[torch.Tensor]  # internal views of ``buffer``, never handed out
     handed_out: list[weakref.ref] = field(default_factory=list)
     reads: list[Any] = field(default_factory=list)  # CUDA: events of prefetches reading from this set
-    _own_refs: int = 0  # storage references held by the set itself (buffer and slots)
+    _own_refs: int | None = 0  # storage references held by the set itself (buffer and slots); None: unknown
 
     def busy(self) -> bool:
         if any(r() is not None for r in self.handed_out):
             return True
-        # Also catches views of a handed-out tensor that outlive it (they hold the storage).
-        return _storage_refs(self.buffer) > self._own_refs
+        # Also catches views of a handed-out tensor that outlive it (they hold the storage). Fails closed:
+        # a count that cannot be read may hide such a view, and rewriting its data corrupts a saved activation.
+        refs = _storage_refs(self.buffer)
+        return refs is None or self._own_refs is None or refs > self._own_refs
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count(t.untyped_storage()._cdata) if use_count else 0
+def _use_count() -> Any:
+    """torch's count of a storage's references (a private symbol: None where this torch lacks it)."""
+    return getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many references hold `t`'s storage; None where this torch cannot say."""
+    use_count = _use_count()
+    return use_count(t.untyped_storage()._cdata) if use_count else None
 
 
 @dataclass(eq=False)
@@ -220,13 +230,28 @@ class OffloadRuntime:
 
     def acquire(self) -> HostBuffers:
         """A buffer set no live host tensor refers to; a new one if all are busy (e.g. two
-        forwards before their backwards), since handing out a busy set corrupts saved data."""
+        forwards before their backwards), since handing out a busy set corrupts saved data.
+        Where torch cannot count a storage's references every set counts as busy: each step then
+        gets a fresh set (host memory allocated per step), and the sets whose tensors are dead are
+        forgotten rather than kept (a view still alive keeps its storage, which is never rewritten)."""
+        if _use_count() is None:
+            warnings.warn("torch._C._storage_Use_Count is missing in this torch: optsched cannot tell when an "
+                          "offload host buffer is free again, so each step allocates a fresh one", RuntimeWarning,
+                          stacklevel=2)
+            self._forget_unreusable()
         for bufs in self._sets:
             if not bufs.busy():
                 bufs.handed_out.clear()
                 self._copies.before_reuse(bufs)
                 return bufs
         return self._new_set()
+
+    def _forget_unreusable(self) -> None:
+        """Drop the sets whose handed-out tensors are dead: unable to tell whether views of them live,
+        they are never reused, and kept they would grow host memory by a set per step."""
+        for bufs in [b for b in self._sets if not any(r() is not None for r in b.handed_out)]:
+            self._sets.remove(bufs)
+            del self._by_ptr[bufs.buffer.data_ptr()]
 
     def offload(self, bufs: HostBuffers, x: torch.Tensor, slot: int) -> Transfer:
         """Start copying device tensor ``x`` into slot ``slot`` of ``bufs``."""
@@ -250,7 +275,9 @@ class OffloadRuntime:
         finally:  # and drop it even if the copy failed
             tr.result = tr.keep = tr.done = None
         host = slot.as_strided(slot.shape, slot.stride())
-        self._by_ptr[slot.untyped_storage().data_ptr()].handed_out.append(weakref.ref(host))
+        owner = self._by_ptr.get(slot.untyped_storage().data_ptr())
+        if owner is not None:  # None: a set forgotten mid-step (never reused, so nothing to track)
+            owner.handed_out.append(weakref.ref(host))
         return host
 
     def prefetch(self, host: torch.Tensor) -> Transfer:

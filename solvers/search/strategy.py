@@ -100,15 +100,18 @@ def solve(
     time_limit_s: float = 5.0,
     workers: int | None = None,
     progress: bool | Display = False,
-    deterministic: bool = False,
+    deterministic: bool = True,
     hint: Schedule | None = None,
 ) -> Solution:
     """Plan `problem` under `budget_bytes` (None: fastest, then lowest peak) within `time_limit_s` in all.
 
     `hint`: a plan of this problem to start from (e.g. an earlier `BudgetInfeasibleError.lowest_schedule`):
     it is offered to the incumbent like any move's plan. A budget below the proven bound (`lower_bound_peak`)
-    is refused before any search (`BudgetInfeasibleError`, proven, `searched=False`). `deterministic`: the same plan on every run
-    (solvers/model/clock.py); the time limit then counts work. This is `optsched.solvers.solve`.
+    is refused before any search (`BudgetInfeasibleError`, proven, `searched=False`). `deterministic` (default
+    True, as in optimize()): the same plan on every run, however fast or busy the machine (solvers/model/clock.py):
+    the time limit counts work, CP-SAT runs single-threaded with a fixed seed and `workers` is ignored. False:
+    CP-SAT races `workers` against the wall clock (plans may differ between runs and with the machine's load).
+    This is `optsched.solvers.solve`.
     """
     with clock.deterministic(deterministic), _caller_heap_frozen(), collecting_rejections() as rejected:
         sol = _solve(problem, budget_bytes, time_limit_s, workers, progress, hint)

@@ -66,6 +66,7 @@ from .user_checkpoint import reference_peak, solve_within_user_checkpointing
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
 DEFAULT_TIME_LIMIT_MAX_S = 30.0  # and at most this: repeated blocks are searched alike, so depth costs little
+OP_TIMING_SHARE = 0.5  # op timing stops after this share of the time limit (wall seconds): the ops left, the roofline's
 DEFAULT_HOST_SHARE = 0.5  # offloads may take this share of the machine's physical memory by default
 CHUNK_TIE = 0.01  # more chunks are chosen only when their plan is faster by more than this share
 COUNT_MIN_SHARE = 0.1  # after the first count, counts are tried while this share of the time limit is left
@@ -218,7 +219,9 @@ class Planner:
         if key is not None and (known := self.cost_cache.get(key)) is not None:
             return known  # the same graph planned again (another use of its outputs): its ops timed once
         real = real_placeholders(gm, [ref() for ref in self.caller_inputs])
-        costs = profile_nodes(gm, t.device, reuse_candidates(jg), real_inputs=real)
+        ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        limit = OP_TIMING_SHARE * time_limit(self.settings.time_limit_s, ops)
+        costs = profile_nodes(gm, t.device, reuse_candidates(jg), real_inputs=real, time_limit_s=limit)
         if key is not None and costs.scratch_measured:  # measured under another profiler: measure again next time
             self.cost_cache.put(key, costs)
         return costs
@@ -502,6 +505,9 @@ class Planner:
             first = next(iter(costs.unmeasured.items()))
             plan.stats.notes.append(f"{len(costs.unmeasured)} op(s) could not run alone on made-up inputs and are timed "
                                     f"by the roofline, e.g. {first[0]}: {first[1]}")
+        if costs is not None and costs.estimated:
+            plan.stats.notes.append(f"{len(costs.estimated)} op(s) timed by the roofline: op timing reached its share "
+                                    f"of the time limit ({OP_TIMING_SHARE:g} of time_limit_s) first")
         return plan, items
 
     def _solve_chunked(
@@ -725,9 +731,7 @@ class Planner:
 
             # below its bound, a smaller shape takes the bytes already given to a larger one
             budget_bytes = self._lend_larger(own, reference, problem.has_backward, bound)
-        limit = self.settings.time_limit_s
-        if limit is None:  # grows with the graph: planning stays a small share of compile time
-            limit = max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * len(problem.ops)))
+        limit = time_limit(self.settings.time_limit_s, len(problem.ops))
         progress = LiveLine() if self.settings.progress else False
         account = getattr(self, "_time", None) or _PlanningTime()
         limit, start = account.slice(limit), clock.now()
@@ -821,6 +825,14 @@ class Planner:
             plan.stats.notes.append(self._lent_note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def time_limit(asked: float | None, ops: int) -> float:
+    """The planning time limit of a graph of `ops` ops: `asked`, or one that grows with the graph (planning
+    stays a small share of compile time)."""
+    if asked is not None:
+        return asked
+    return max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * ops))
 
 
 AUTO_FIRST_SHARE = 0.5  # chunking="auto": the share of the time limit the graph as captured gets (the counts the rest)

@@ -111,10 +111,12 @@ def replay(problem: Problem, schedule: Schedule) -> Replay:
     caller = sum(t.bytes for t in tensors if t.kind is TensorKind.CALLER)
     boundary = 0
     if caller and n > n_fw:
+        first = set(read_key[n_fw].values())  # a value the first backward step reads (and maybe writes into) crosses
         crossing = sum(
             tensors[t].bytes
             for (t, c), s in start.items()
             if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED))
+            or (s < n_fw and (t, c) in first)
         )
         boundary = crossing + caller
     return Replay(max(timeline + [boundary]), time_s, timeline, boundary)

@@ -242,9 +242,11 @@ def fused_replay(problem: Problem, schedule: Schedule) -> tuple[int, float]:
         peak = sum(size[t] for (t, _c) in start)
     caller = sum(t.bytes for t in tensors if t.kind == TensorKind.CALLER)
     if caller and len(units) > n_fw:
+        first = set(read_key[n_fw].values())  # a value the first backward step reads (and maybe writes into) crosses
         peak = max(peak, caller + sum(
             size[t] for (t, c), s in start.items()
-            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED))))
+            if s < n_fw <= end[(t, c)] or (s == n_fw and tensors[t].kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED))
+            or (s < n_fw and (t, c) in first)))
     return peak, time_s
 
 

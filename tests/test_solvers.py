@@ -301,6 +301,20 @@ def test_simulate_reuse_of_a_recomputed_copy_by_hand():
     assert sim.spans[(3, True)] == (3, 3)
 
 
+def test_the_callers_loss_counts_a_saved_value_the_first_backward_step_takes_over():
+    """Issue 33: while the caller computes its loss, a value saved for the backward is live even when the backward's
+    first step then writes its output into it (its lifetime ends a step early there). Uncounted, a Qwen2 with the
+    loss outside measured one hidden state (0.5 MiB) above its plan, whose first backward step recomputed the last
+    residual add into the saved MLP output."""
+    p = tiny_training_problem(loss_bw_reuses_y=True)
+    p = dataclasses.replace(p, tensors=[*p.tensors, Tensor(len(p.tensors), "caller_loss", 500, TensorKind.CALLER)])
+    sim = simulate(p, default_schedule(p))
+    assert sim.reused == {3: 3}  # loss_bw, the first backward step, writes gy into y
+    # x, w, h, y (saved, then taken over), the loss, the tangent, the caller's 500
+    assert sim.boundary_bytes == 1000 + 10 + 200 + 300 + 1 + 1 + 500
+    assert sim.peak_bytes == sim.boundary_bytes == replay(p, default_schedule(p)).boundary_bytes
+
+
 def test_saved_counts_an_activation_whose_storage_its_backward_reader_takes_over():
     # y is made in the forward and read by loss_bw in the backward: it is saved, whether or
     # not loss_bw then writes its output into y's storage

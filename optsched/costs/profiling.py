@@ -11,11 +11,18 @@ the unplanned step does not fit, so planning must never hold more than one op's 
 scratch beyond what the caller already holds (the parameters, passed in as `real_inputs` and read
 in place, never copied). Any plan holds at least that much while the op runs, so planning stays
 within every budget a plan can meet. Integer inputs are zeros, a valid index for every op we have
-seen; an op that fails on made-up inputs keeps the roofline's time (listed in `NodeCosts.unmeasured`).
+seen, floats a fixed pattern (`random_like`); an op that fails on made-up inputs keeps the roofline's time
+(listed in `NodeCosts.unmeasured`).
+
+Identical ops (same target, argument layouts and values: a transformer's layers, an unrolled RNN's steps)
+run once and share the measurement, and times are rounded to a coarse grid (`stable_time`), so two planning
+runs of one graph mostly plan on the same costs. A time limit bounds the timing: the lightest ops are left
+to the roofline when it is spent (issue 34: an LSTM's first call spent 290 s timing ops).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 
@@ -23,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.autograd.profiler import record_function
 
-from .profiles import NodeCosts, random_like
+from .profiles import NodeCosts, get_profile, node_time, random_like
 from .measure import memory_profile, walk_events
 from ..passes.op_variants import inplace_foreach, out_variant
 
@@ -32,36 +39,139 @@ _OUT = "optsched_out::"
 
 
 def profile_nodes(
-    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 2,
-    real_inputs: Mapping[str, torch.Tensor] | None = None,
+    gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 5,
+    real_inputs: Mapping[str, torch.Tensor] | None = None, time_limit_s: float | None = None,
 ) -> NodeCosts:
-    """Time every op (best of `repeat` runs after a warm-up), each alone on inputs made for it, and in
-    one more pass under the allocation profiler measure its scratch space; for each node in
-    `reuse_inputs`, also run its out= form into a copy of that input (a foreach op: its in-place twin on
-    a copy of its first list) and check it allocates no full-size temporary. `real_inputs`: the
-    caller's tensors for placeholders (by name), read in place by ops that do not write them."""
+    """Time every op (`_time_op`), each alone on inputs made for it, and in one more pass under the
+    allocation profiler measure its scratch space; for each node in `reuse_inputs`, also run its out= form
+    into a copy of that input (a foreach op: its in-place twin on a copy of its first list) and check it
+    allocates no full-size temporary. `real_inputs`: the caller's tensors for placeholders (by name), read
+    in place by ops that do not write them.
+
+    Identical ops (`op_key`: a transformer's layers) run once, their measurements shared, the heaviest
+    first. Once `time_limit_s` (wall seconds) has passed, the ops not yet timed keep the roofline's time
+    (`NodeCosts.estimated`); their scratch space is still measured (one run each): a plan must hold it."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    groups = _heaviest_first(identical_ops(gm), device)
     times: dict[str, float] = {}
     unmeasured: dict[str, str] = {}
     with unset_fake_temporarily(), torch.no_grad():
         inputs = _OpInputs(gm, device, real_inputs or {})
-        for n in nodes:
-            try:
-                times[n.name] = _time_op(n, inputs, repeat)
-            except Exception as e:  # noqa: BLE001 - made-up inputs an op rejects: the roofline times it
-                unmeasured[n.name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        timed, left = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured)
         if torch.autograd._profiler_enabled():
             # planning inside someone's profiling session (a measured first call): a profiler of our own would
             # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
-            return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured)
+            return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured,
+                             estimated=[n.name for ops in left for n in ops], distinct=len(timed))
+        runs = [same for ops in timed + left for same in _same_out_form(ops, reuse_inputs)]
         with memory_profile() as prof:
-            for n in nodes:
-                if n.name in times:
-                    _profiled_run(n, inputs, reuse_inputs.get(n.name))
-    workspace, reuse_ok = _scratch(prof, reuse_inputs)
-    return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured)
+            for same in runs:
+                try:
+                    _profiled_run(same[0], inputs, reuse_inputs.get(same[0].name))
+                except Exception as e:  # noqa: BLE001 - an op left untimed that rejects made-up inputs
+                    if same[0].name in times:
+                        raise
+                    unmeasured.update(dict.fromkeys((n.name for n in same), _why(e)))
+    workspace, reuse_ok = _scratch(prof, {same[0].name: reuse_inputs[same[0].name] for same in runs
+                                          if same[0].name in reuse_inputs})
+    for same in runs:  # each run's measurement for every op like it
+        rep = same[0].name
+        workspace.update({n.name: workspace[rep] for n in same if rep in workspace})
+        reuse_ok.update({n.name: reuse_ok[rep] for n in same if rep in reuse_ok})
+    for name in unmeasured:
+        workspace.pop(name, None)
+        reuse_ok.pop(name, None)
+    estimated = [n.name for ops in left for n in ops if n.name not in unmeasured]
+    return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured, estimated=estimated, distinct=len(timed))
+
+
+def _time_ops(groups: list[list[fx.Node]], inputs: _OpInputs, repeat: int, time_limit_s: float | None,
+              times: dict[str, float], unmeasured: dict[str, str]) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
+    """Each group's first op timed for all of them, into `times` (or why not, into `unmeasured`), until
+    `time_limit_s` has passed: the groups timed, and those left untimed."""
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    timed, left = [], []
+    for ops in groups:
+        if deadline is not None and time.perf_counter() > deadline:
+            left.append(ops)
+            continue
+        try:
+            t = stable_time(_time_op(ops[0], inputs, repeat))
+        except Exception as e:  # noqa: BLE001 - made-up inputs an op rejects: the roofline times it
+            unmeasured.update(dict.fromkeys((n.name for n in ops), _why(e)))
+            continue
+        times.update(dict.fromkeys((n.name for n in ops), t))
+        timed.append(ops)
+    return timed, left
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def identical_ops(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The graph's ops grouped by `op_key`, each group in graph order, groups in order of first use."""
+    groups: dict[tuple, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            groups.setdefault(op_key(n), []).append(n)
+    return list(groups.values())
+
+
+def op_key(n: fx.Node) -> tuple:
+    """What an op's time and scratch space depend on: its target, and per argument its layout (shape,
+    strides, offset, storage size, dtype, device), which of the op's inputs it is (`mul(x, x)` is not
+    `mul(x, y)`), or its value (a number, a dtype, a list of sizes)."""
+    pos = {x: i for i, x in enumerate(n.all_input_nodes)}
+
+    def key(a):
+        if isinstance(a, fx.Node):
+            return ("attr", pos[a], a.target) if a.op == "get_attr" else ("in", pos[a], _val_key(a.meta.get("val"), n))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(key(e) for e in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, key(v)) for k, v in a.items()))
+        if isinstance(a, torch.Tensor):  # a constant in the graph: its own op
+            return ("tensor", id(a))
+        return (type(a).__name__, repr(a))
+
+    return (n.target, key(n.args), key(n.kwargs))
+
+
+def _val_key(v, n: fx.Node):
+    if isinstance(v, (list, tuple)):
+        return tuple(_val_key(e, n) for e in v)
+    if not isinstance(v, torch.Tensor):
+        return (type(v).__name__, repr(v))
+    try:
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.untyped_storage().nbytes(), v.dtype, str(v.device))
+    except (RuntimeError, NotImplementedError):  # no strides or storage (sparse, nested): timed on its own
+        return ("own", n.name)
+
+
+def _heaviest_first(groups: list[list[fx.Node]], device: torch.device) -> list[list[fx.Node]]:
+    """By the roofline's time of all a group's ops: a time limit leaves the roofline the lightest."""
+    profile = get_profile(None, device)
+
+    def weight(ops: list[fx.Node]) -> float:
+        try:
+            return node_time(ops[0], profile) * len(ops)
+        except Exception:  # noqa: BLE001 - an order only: an op the roofline cannot weigh goes last
+            return 0.0
+
+    return sorted(groups, key=weight, reverse=True)
+
+
+def _same_out_form(ops: list[fx.Node], reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> list[list[fx.Node]]:
+    """`ops` (identical) split by which of its inputs, if any, its out= form would write into."""
+    by: dict[object, list[fx.Node]] = {}
+    for n in ops:
+        into = reuse_inputs.get(n.name)
+        pos = {x: i for i, x in enumerate(n.all_input_nodes)}
+        where = None if into is None else ("into", tuple(pos.get(x) for x in into) if isinstance(into, list) else pos.get(into))
+        by.setdefault(where, []).append(n)
+    return list(by.values())
 
 
 class _OpInputs:
@@ -127,22 +237,33 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
 
 
 def _time_op(n: fx.Node, inputs: _OpInputs, repeat: int) -> float:
-    """Best of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`, within
-    `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run."""
+    """Fastest of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`,
+    within `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run."""
     args, kwargs, _ = inputs.args(n)
     n.target(*args, **kwargs)  # warms caches and the allocator (the result is dropped at once)
-    best, spent, runs = float("inf"), 0.0, 0
-    while runs < repeat or (spent < _SHORT_S and runs < _MAX_RUNS):
+    runs: list[float] = []
+    while len(runs) < repeat or (sum(runs) < _SHORT_S and len(runs) < _MAX_RUNS):
         t0 = time.perf_counter()
         out = n.target(*args, **kwargs)
-        dt = time.perf_counter() - t0
+        runs.append(time.perf_counter() - t0)
         del out
-        best, spent, runs = min(best, dt), spent + dt, runs + 1
-    return best
+    return min(runs)
 
 
-_SHORT_S = 0.02
+_SHORT_S = 0.05
 _MAX_RUNS = 20
+TIME_STEP = 2 ** 0.25
+"""Measured times are rounded to a power of TIME_STEP (times 1 ns): one op timed in two processes differs by
+2% (median) to 7% (9 in 10 ops) on the 2-core reference machine, so most ops get the same time in both and
+the planner, deterministic, the same plan (issue 34). A recompute decided on a 19% step is one the times
+could not tell apart anyway."""
+TIME_FLOOR_S = 1e-7  # below what perf_counter around a Python call resolves (two calls take ~70 ns)
+
+
+def stable_time(seconds: float) -> float:
+    """`seconds` on the TIME_STEP grid (at least TIME_FLOOR_S)."""
+    steps = round(math.log(max(seconds, TIME_FLOOR_S) / 1e-9, TIME_STEP))
+    return 1e-9 * TIME_STEP ** steps
 
 
 def _profiled_run(n: fx.Node, inputs: _OpInputs, reuse: fx.Node | list[fx.Node] | None) -> None:

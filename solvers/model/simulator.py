@@ -11,6 +11,7 @@ A formed fusion option's steps count as one (fusion_sim.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from . import clock
@@ -97,7 +98,8 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     nbytes = hidden_bytes(problem, runs) if runs else None  # None: the tensors' own sizes
     workspace = step_workspace(problem, steps, runs) if runs else None
     timeline = _timeline(problem, steps, lifetimes, span, nbytes, workspace)
-    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps), nbytes)
+    first_reads = walk.reads[n_fw] if len(steps) > n_fw else ()
+    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps), nbytes, first_reads)
     peak = max(timeline + [boundary])
     return SimResult(
         peak_bytes=peak,
@@ -247,17 +249,21 @@ def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[L
 
 
 def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int,
-                     nbytes: list[int] | None = None) -> int:
+                     nbytes: list[int] | None = None, first_reads: Iterable[tuple[int, bool]] = ()) -> int:
     """Live bytes while the caller computes its loss between our forward and backward: what crosses
     from forward to backward (inputs, saved and held values), the tangents it is making, and its own
-    intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of."""
+    intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of. `first_reads`:
+    what the backward's first step reads; a forward value it writes its output into (`_apply_reuse`)
+    crosses too, though its own lifetime ends the step before (the output's starts at that step)."""
     caller = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.CALLER)
     if not caller or n_steps <= n_fw:
         return 0
+    taken = set(first_reads)
     live = sum(
         problem.tensors[lt.tensor].bytes if nbytes is None else nbytes[lt.tensor]
         for lt in lifetimes
         if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind in TANGENTS)
+        or (lt.start < n_fw and lt.end == n_fw - 1 and (lt.tensor, lt.recomputed) in taken)
     )
     return live + caller
 

@@ -91,10 +91,18 @@ def test_times_are_rounded_to_a_grid_two_runs_agree_on():
         assert near == (g, g)
     assert stable_time(1e-9) == stable_time(0.0) > 0  # below what the timer resolves: one floor
     gm = _graph(_layers, (64, 64), (64, 64))
+    assert all(stable_time(t) == t for t in profile_nodes(gm, torch.device("cpu"), {}).times.values())
+
+
+def test_two_profiles_of_one_graph_plan_on_equal_costs(monkeypatch):
+    """Two runs whose op timings differ by the noise of two processes (up to 3% here) give equal costs."""
+    true = {name: 1e-9 * TIME_STEP ** k for name, k in
+            [("mm_default", 57), ("relu_default", 47), ("mul_tensor", 48), ("mul_tensor_1", 49)]}
+    jitter = iter(torch.empty(100).uniform_(0.97, 1.03, generator=torch.Generator().manual_seed(0)).tolist())
+    monkeypatch.setattr(profiling, "_time_op", lambda n, *a: true[n.name] * next(jitter))
+    gm = _graph(_layers, (64, 64), (64, 64))
     first, second = (profile_nodes(gm, torch.device("cpu"), {}) for _ in range(2))
-    for name, t in first.times.items():
-        assert stable_time(t) == t
-        assert abs(math.log(second.times[name] / t)) <= math.log(TIME_STEP) + 1e-9  # a grid step at most
+    assert first.times == second.times and len(first.times) == 10
 
 
 def test_op_timing_stops_at_its_time_limit_and_leaves_the_rest_to_the_roofline():
@@ -106,15 +114,22 @@ def test_op_timing_stops_at_its_time_limit_and_leaves_the_rest_to_the_roofline()
 
 def test_a_plan_with_op_timing_cut_short_is_valid(monkeypatch):
     monkeypatch.setattr(optsched.planner, "OP_TIMING_SHARE", 0.0)  # no time for op timing at all
+    counted = []
+    profile = optsched.planner.profile_nodes
+    monkeypatch.setattr(optsched.planner, "profile_nodes", lambda gm, *a, **k: counted.append(
+        sum(n.op == "call_function" for n in gm.graph.nodes)) or profile(gm, *a, **k))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64), torch.nn.GELU())
-    x = torch.randn(128, 64)
+    model = torch.nn.Sequential(*[m for _ in range(3) for m in (torch.nn.Linear(64, 64), torch.nn.GELU())])
+    x = torch.randn(1024, 64)
     eager = measure_training_step(lambda: model(x).sum(), model, ())
-    budget = int(0.8 * eager.peak_bytes)
+    budget = int(0.9 * eager.peak_bytes)
     opt = optsched.optimize(model, budget, time_limit_s=1)
+    opt(x).sum().backward()  # plans (outside the profiler measure_training_step runs: scratch measured)
+    model.zero_grad(set_to_none=True)
     planned = measure_training_step(lambda: opt(x).sum(), model, ())
-    notes = opt.plan.stats.notes
-    assert any("op(s) timed by the roofline: op timing reached its share of the time limit" in n for n in notes), notes
+    notes, (n_ops,) = opt.plan.stats.notes, counted
+    assert any(n.startswith(f"{n_ops} op(s) timed by the roofline: op timing reached its share") for n in notes), notes
+    assert not any("scratch space was not measured" in n for n in notes)
     assert planned.peak_bytes <= budget
     for k, g in eager.grads.items():
         torch.testing.assert_close(planned.grads[k], g, rtol=0, atol=0)

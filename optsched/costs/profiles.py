@@ -108,10 +108,11 @@ FLOP_FAILURE_NOTE = "op(s) costed with 0 FLOPs: their FLOP formula raised"
 """What a plan's note says of them (`solvers.model.problem.Rejections`: "N op(s) ...: op: error; ...")."""
 
 
-def node_flops(node: fx.Node) -> int:
+def node_flops(node: fx.Node, *, quiet: bool = False) -> int:
     """FLOPs from PyTorch's own formula registry (0 for ops it has no formula for). A formula that raises
     counts 0 too: logged once per op, counted in `FLOP_FORMULA_FAILURES` and, while a `Rejections` collector
-    is open (the planner's), noted per op there (`FLOP_FAILURE_NOTE`)."""
+    is open (the planner's), noted per op there (`FLOP_FAILURE_NOTE`); `quiet`: none of these (a guess that
+    no plan uses, such as the order op timing goes in)."""
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
 
@@ -125,6 +126,8 @@ def node_flops(node: fx.Node) -> int:
     try:
         return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception as e:  # noqa: BLE001 - a formula that does not accept this overload's arguments: 0 FLOPs, said and counted
+        if quiet:
+            return 0
         name = str(target)
         if not FLOP_FORMULA_FAILURES[name]:
             log.info("no FLOP count for %s: torch's formula raised %s: %s; counted as 0 FLOPs (its bytes still count)",
@@ -148,14 +151,14 @@ def node_bytes(node: fx.Node) -> int:
     return read + written
 
 
-def node_time(node: fx.Node, profile: DeviceProfile) -> float:
-    """Roofline estimate for one unfused op."""
+def node_time(node: fx.Node, profile: DeviceProfile, *, quiet: bool = False) -> float:
+    """Roofline estimate for one unfused op (`quiet`: see `node_flops`)."""
     import torch
     from torch.utils._pytree import tree_leaves
 
     out = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     half = bool(out) and out[0].dtype in (torch.float16, torch.bfloat16)
-    flops = node_flops(node)
+    flops = node_flops(node, quiet=quiet)
     rate = profile.half_flops if half else profile.fp32_flops
     return max(flops / rate, node_bytes(node) / profile.mem_bw) + profile.launch_s
 

@@ -142,7 +142,7 @@ def plan_once(step, budget: int, offload: bool, time_limit_s: float | None, seed
         if e.lowest_schedule is not None:
             _ERRORS[(id(step.module), offload, e.lowest_peak_bytes)] = e
         row.update({"infeasible": True, "lowest_peak_bytes": e.lowest_peak_bytes, "lower_bound_bytes": e.lower_bound_bytes,
-                    "first_call_s": time.perf_counter() - t0, "message": str(e)})
+                    "searched": e.searched, "first_call_s": time.perf_counter() - t0, "message": str(e)})
     except Exception as e:  # noqa: BLE001 - reported, the benchmark goes on
         row["error"] = dict(zoo._error(e), stage=stage)
         row["traceback"] = traceback.format_exc(limit=-3)
@@ -226,7 +226,10 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
     feasible = [r for r in known if _fits(r)]
     best_peak = min((r["predicted_peak_bytes"] for r in feasible), default=None)
     best_budget = min((r["budget_bytes"] for r in feasible if r["predicted_peak_bytes"] == best_peak), default=None)
-    hints = sorted(r["lowest_peak_bytes"] for r in known if r.get("infeasible"))
+    # an error's lowest peak is a hint when a search found it; a budget refused below the proven bound before any
+    # search (its lowest is the unplanned program's) hints at the bound itself, where a search then starts
+    hints = sorted(r["lowest_peak_bytes"] if r.get("searched", True) else r["lower_bound_bytes"]
+                   for r in known if r.get("infeasible"))
     best_opt = None
     tried: set[int] = {r["budget_bytes"] for r in known}
     out_probes = []
@@ -254,7 +257,8 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         # a hint within HINT_MARGIN of the floor (an infeasible budget) is the same answer again (its bytes may differ a
         # little); one at the proven bound is worth a probe: a plan there is the lowest peak any plan reaches
         hint = next((h for h in hints if floor + HINT_MARGIN * eager_peak < h < top and h >= bound and h not in tried), None)
-        budget, why = (hint, "infeasible error's lowest peak") if hint is not None else ((lo + top) // 2, "bisection")
+        why = "proven bound" if hint is not None and hint == bound else "infeasible error's lowest peak"
+        budget, why = (hint, why) if hint is not None else ((lo + top) // 2, "bisection")
         if budget in tried:
             break
         row = probe(budget, why)
@@ -262,7 +266,7 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
             floor = max(floor, budget)
             if row.get("lower_bound_bytes"):
                 bound = min(bound, row["lower_bound_bytes"]) if bound else row["lower_bound_bytes"]
-            hints = sorted(set(hints) | {row["lowest_peak_bytes"]})
+            hints = sorted(set(hints) | {row["lowest_peak_bytes"] if row.get("searched", True) else row["lower_bound_bytes"]})
     for target in sorted(set(targets)):  # does this run reach what another did? (its search path may miss it)
         if (best_peak is None or target < best_peak) and target not in tried and target >= bound:
             probe(target, "another run's lowest feasible")

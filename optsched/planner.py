@@ -202,6 +202,11 @@ class Planner:
         self._lent: dict | None = None  # this program's budget: a larger training program's bytes (_lend_larger)
         self._lent_note: str | None = None
         self._reach: Callable[[int], int] | None = None  # chunking="auto": the chunked graphs' floor (_solve_graph_timed)
+        # the first call's guess drops outputs the caller may keep through the backward: their storages, held by the
+        # plan too when a plan with them held fits the same bytes (`_solve`), and whether it did (see `plan`)
+        self._hold_if_fits: frozenset[int] = frozenset()
+        self._held_outputs: tuple[int, ...] = ()
+        self._hold_if_fits_outputs: set[int] = set()
 
     def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
@@ -231,6 +236,7 @@ class Planner:
         the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
         fp = fingerprint(gm)
         self._lent, self._lent_note = None, None  # a larger training program's bytes, when this one takes them
+        self._held_outputs = ()
         # the cache keys the chunking setting too: a plan chunked under chunking=True is not replayed without it
         path = plan_path(self.settings.plan_spec, fp["hash"],
                          {**self.made_for(name), "chunk_counts": self.settings.chunk_key})
@@ -272,6 +278,8 @@ class Planner:
         with collecting_rejections(rejections_in(gm.meta).copy()) as recovered:
             plan, items = self._solve_graph(gm, jg, name, usage)
         plan.stats.notes += recovered.notes()
+        if self._held_outputs and usage is not None:  # planned for a caller that keeps those outputs too (`_solve`)
+            usage = OutputUsage(usage.grad, tuple(h or i in self._held_outputs for i, h in enumerate(usage.held)))
         plan.fingerprint, plan.offload_allowed = fp, self.target.offload
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp, items)
@@ -396,6 +404,31 @@ class Planner:
         self._lent_note = r.explain_lent(record, own, lower, reference)
         return record["bytes"]
 
+    def _droppable_outputs(self, jg: JointGraph, usage: OutputUsage | None, problem: Problem) -> frozenset[int]:
+        """On the first call's guess (no backward seen yet), the storages of the non-scalar outputs a gradient flows
+        into that the guess has the caller drop once its loss is made (`default_usage`): a caller that keeps them
+        through the backward (`out = model(x); loss_fn(out, y).backward()`) holds them longer. Records their output
+        indices for `plan`."""
+        self._hold_if_fits_outputs: set[int] = set()
+        if usage is None or self.observed_usage is not None or not jg.is_training or not self.resolution.budget.spec:
+            return frozenset()
+        storages: set[int] = set()
+        for i, o in enumerate(jg.fw_outputs):
+            v = o.meta.get("val") if isinstance(o, fx.Node) else None
+            if i < len(usage.grad) and usage.grad[i] and not usage.held[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
+                storages.update(s for s in jg.node_storages(o) if s in problem.returned)
+                self._hold_if_fits_outputs.add(i)
+        return frozenset(storages)
+
+    def _holding(self, problem: Problem, budget_bytes: int | None) -> Problem | None:
+        """`problem` with the outputs `_droppable_outputs` found held to the step's end, when the budget may fit it
+        (not below its proven bound): a plan of it fits the caller that drops them and the one that keeps them."""
+        hold = self._hold_if_fits
+        if not hold or budget_bytes is None or not problem.has_backward:
+            return None
+        holding = dataclasses.replace(problem, outputs=problem.outputs | hold, returned=problem.returned - hold)
+        return holding if lower_bound_peak(holding) <= budget_bytes else None
+
     def _first_micro_batch(self, problem: Problem) -> tuple[Schedule, SimResult] | None:
         """An accumulation step under a percentage: the plan of the same step without gradients to accumulate
         into (the first micro-batch's), simulated here with them live; None when there is none or it plans
@@ -480,7 +513,11 @@ class Planner:
             try:
                 # "auto" with a chain: the graph as captured gets AUTO_FIRST_SHARE, the chunk counts the rest
                 self._time.share = AUTO_FIRST_SHARE if chains else 1.0
-                plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+                self._hold_if_fits = self._droppable_outputs(jg, usage, built.problem)
+                try:
+                    plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
+                finally:
+                    self._hold_if_fits = frozenset()
             except BudgetInfeasibleError as e:
                 if chains:  # "auto": chunks where the budget cannot be met without them
                     plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains, captured=e)
@@ -697,6 +734,8 @@ class Planner:
         replay): the schedule mapped onto it, its simulated peak and time the solve's. `solved_items`: per
         op of the solved problem, its node or group."""
         problem, items = self.fuse(jg, built, groups, compiled)
+        if (problem.outputs, problem.returned) != (plan.problem.outputs, plan.problem.returned):  # planned holding outputs
+            problem = dataclasses.replace(problem, outputs=plan.problem.outputs, returned=plan.problem.returned)
         merged, schedule = merge_formed(plan.problem, plan.schedule)
         # merge_formed's ops are this problem's ops, maybe in another order: match them by their first node
         node_id = {n: i for i, n in enumerate(built.nodes)}
@@ -736,6 +775,7 @@ class Planner:
         account = getattr(self, "_time", None) or _PlanningTime()
         limit, start = account.slice(limit), clock.now()
         hint = start_schedule(self.settings.start_from, problem)
+        dropped = problem
         first = self._first_micro_batch(problem) if explained and self._lent is None else None
         hint = hint or (first[0] if first is not None else None)
 
@@ -747,13 +787,22 @@ class Planner:
                     hint=hint)
             )
 
+        holding = self._holding(problem, budget_bytes) if explained else None
         try:
-            try:
-                budget_bytes, sol = solve_at(budget_bytes)
-            except BudgetInfeasibleError as e:
-                if first is None or budget_bytes is None or first[1].peak_bytes <= budget_bytes:
-                    raise
-                budget_bytes, sol = solve_at(self._accumulate_as_first(first[1], own, e, reference))
+            if holding is not None:  # a plan that also fits a caller keeping its outputs: half the time for it
+                problem, whole, limit = holding, limit, limit / 2
+                try:
+                    budget_bytes, sol = solve_at(budget_bytes)
+                    self._held_outputs = tuple(sorted(self._hold_if_fits_outputs))
+                except BudgetInfeasibleError:
+                    problem, holding, limit = dropped, None, whole / 2
+            if holding is None:
+                try:
+                    budget_bytes, sol = solve_at(budget_bytes)
+                except BudgetInfeasibleError as e:
+                    if first is None or budget_bytes is None or first[1].peak_bytes <= budget_bytes:
+                        raise
+                    budget_bytes, sol = solve_at(self._accumulate_as_first(first[1], own, e, reference))
         except BudgetInfeasibleError as e:
             how = (self._lent_note or self.resolution.explain(reference, training=problem.has_backward)) if explained else None
             below = self.resolution.explain_below_bound(own, e.lower_bound_bytes, problem.has_backward) \

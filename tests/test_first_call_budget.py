@@ -6,6 +6,7 @@ every op and plans before it runs the planned step, is measured at the allocator
 from __future__ import annotations
 
 import gc
+import warnings
 import re
 
 import pytest
@@ -200,3 +201,34 @@ def test_a_caller_holding_the_logits_is_told_the_first_steps_peak():
     assert float(told[2]) <= budget / 2**20 < first.peak_bytes / 2**20
     with pytest.raises(BudgetInfeasibleError):  # held through the backward, the logits no longer fit
         holding(opt)()
+
+
+def test_a_first_plan_also_fits_a_caller_that_keeps_the_logits_when_one_can():
+    """Where a plan with the logits held through the backward fits the budget, the first call plans it: the
+    caller that keeps them (`logits = model(x)`, the loss from them, `backward()`) stays within the budget from
+    its first step, unwarned, and the one that drops them is within it too."""
+    model, ids, targets = _tiny_lm()
+    kept = []
+
+    def holding(m):
+        def call():
+            logits = m(ids)
+            kept.append(logits)
+            return _loss_outside(lambda _ids: logits, ids, targets)
+        return call
+
+    eager = measure_training_step(holding(model), model, ())
+    kept.clear()
+    budget = eager.peak_bytes  # eager's own peak when the caller keeps them: a plan with them held fits
+    opt = optsched.optimize(model, budget, time_limit_s=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", optsched.OutputUsageWarning)
+        first = measure_training_step(holding(opt), model, ())
+    kept.clear()
+    plan = opt.plan
+    assert plan.summary()["output_usage"] == "gh"  # planned with the logits held
+    assert first.peak_bytes <= budget
+    assert abs(plan.predicted_peak_bytes - first.peak_bytes) <= 0.01 * first.peak_bytes  # the caller's loss: estimated
+    for k, g in eager.grads.items():
+        assert torch.equal(first.grads[k], g), k
+    assert measure_training_step(lambda: _loss_outside(opt, ids, targets), model, ()).peak_bytes <= budget

@@ -204,9 +204,8 @@ class Planner:
         self._reach: Callable[[int], int] | None = None  # chunking="auto": the chunked graphs' floor (_solve_graph_timed)
         # the first call's guess drops outputs the caller may keep through the backward: their storages, held by the
         # plan too when a plan with them held fits the same bytes (`_solve`), and whether it did (see `plan`)
-        self._hold_if_fits: frozenset[int] = frozenset()
+        self._hold_if_fits: tuple[frozenset[int], tuple[int, ...]] = (frozenset(), ())  # storages, output indices
         self._held_outputs: tuple[int, ...] = ()
-        self._hold_if_fits_outputs: set[int] = set()
 
     def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
@@ -404,29 +403,29 @@ class Planner:
         self._lent_note = r.explain_lent(record, own, lower, reference)
         return record["bytes"]
 
-    def _droppable_outputs(self, jg: JointGraph, usage: OutputUsage | None, problem: Problem) -> frozenset[int]:
-        """On the first call's guess (no backward seen yet), the storages of the non-scalar outputs a gradient flows
-        into that the guess has the caller drop once its loss is made (`default_usage`): a caller that keeps them
-        through the backward (`out = model(x); loss_fn(out, y).backward()`) holds them longer. Records their output
-        indices for `plan`."""
-        self._hold_if_fits_outputs: set[int] = set()
+    def _droppable_outputs(self, jg: JointGraph, usage: OutputUsage | None, problem: Problem,
+                           ) -> tuple[frozenset[int], tuple[int, ...]]:
+        """On the first call's guess (no backward seen yet), the non-scalar outputs a gradient flows into that the
+        guess has the caller drop once its loss is made (`default_usage`): their storages and output indices. A
+        caller that keeps them through the backward (`out = model(x); loss_fn(out, y).backward()`) holds them longer."""
         if usage is None or self.observed_usage is not None or not jg.is_training or not self.resolution.budget.spec:
-            return frozenset()
+            return frozenset(), ()
         storages: set[int] = set()
+        indices = []
         for i, o in enumerate(jg.fw_outputs):
             v = o.meta.get("val") if isinstance(o, fx.Node) else None
             if i < len(usage.grad) and usage.grad[i] and not usage.held[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
                 storages.update(s for s in jg.node_storages(o) if s in problem.returned)
-                self._hold_if_fits_outputs.add(i)
-        return frozenset(storages)
+                indices.append(i)
+        return frozenset(storages), tuple(indices)
 
     def _holding(self, problem: Problem, budget_bytes: int | None) -> Problem | None:
         """`problem` with the outputs `_droppable_outputs` found held to the step's end, when the budget may fit it
         (not below its proven bound): a plan of it fits the caller that drops them and the one that keeps them."""
-        hold = self._hold_if_fits
+        hold = self._hold_if_fits[0]
         if not hold or budget_bytes is None or not problem.has_backward:
             return None
-        holding = dataclasses.replace(problem, outputs=problem.outputs | hold, returned=problem.returned - hold)
+        holding = problem.holding(hold)
         return holding if lower_bound_peak(holding) <= budget_bytes else None
 
     def _first_micro_batch(self, problem: Problem) -> tuple[Schedule, SimResult] | None:
@@ -517,7 +516,7 @@ class Planner:
                 try:
                     plan, items = self._plan_fused(jg, built, len(gm.graph.nodes))
                 finally:
-                    self._hold_if_fits = frozenset()
+                    self._hold_if_fits = (frozenset(), ())
             except BudgetInfeasibleError as e:
                 if chains:  # "auto": chunks where the budget cannot be met without them
                     plan, items = self._solve_chunked(gm, jg, built, costs, usage, chains, captured=e)
@@ -793,7 +792,7 @@ class Planner:
                 problem, whole, limit = holding, limit, limit / 2
                 try:
                     budget_bytes, sol = solve_at(budget_bytes)
-                    self._held_outputs = tuple(sorted(self._hold_if_fits_outputs))
+                    self._held_outputs = self._hold_if_fits[1]
                 except BudgetInfeasibleError:
                     problem, holding, limit = dropped, None, whole / 2
             if holding is None:

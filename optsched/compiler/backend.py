@@ -8,7 +8,6 @@ forward and backward wrappers observe what the caller does with the outputs (`ou
 from __future__ import annotations
 
 import copy
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -59,8 +58,8 @@ def _peak_as_seen(plan: Plan, jg) -> Callable[[OutputUsage], SeenPeak | None]:
         held = {s for i, h in enumerate(seen.held[: len(storages)]) if h for s in storages[i]} - problem.outputs
         if any(g and not p for g, p in zip(seen.grad, planned.grad)) or not held:
             return None
-        varied = dataclasses.replace(problem, outputs=problem.outputs | held, returned=problem.returned - held)
-        return SeenPeak(simulate(varied, plan.schedule).peak_bytes, plan.predicted_peak_bytes, plan.budget_bytes)
+        return SeenPeak(simulate(problem.holding(held), plan.schedule).peak_bytes, plan.predicted_peak_bytes,
+                        plan.budget_bytes)
 
     return peak
 

@@ -15,6 +15,8 @@ the same peak and time).
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import contextvars
 import logging
@@ -110,6 +112,12 @@ class Problem:
         """Tensors someone outside the step holds (outputs, and forward results until the forward ends):
         never hidden inside a fusion group, never written over by another op."""
         return self.outputs | self.returned
+
+    def holding(self, storages: frozenset[int] | set[int]) -> Problem:
+        """This problem with `storages` (forward results the caller would drop) held by the caller to the
+        step's end, as outputs are: the step of a caller that keeps them through the backward."""
+        storages = frozenset(storages)
+        return dataclasses.replace(self, outputs=self.outputs | storages, returned=self.returned - storages)
 
     @property
     def fw_ops(self) -> list[Op]:

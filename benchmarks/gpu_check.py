@@ -1,22 +1,25 @@
 """GPU reality check (issue 23): optsched's CUDA paths measured on the machine at hand, in one process.
 
-Sections (each runs in its own try: a failure is recorded in the JSON and the rest goes on; every case
-of the headline likewise):
+Sections, in the order they run (each in its own try: a failure is recorded in the JSON and the rest goes on;
+every case of the headline likewise; a CUDA error that poisons the process skips what follows, with its reason):
 
-    gpu_tests     `pytest -m gpu` in a child process (only the test files that have the marker): counts
+    preflight     seconds: a CUDA matmul, OR-tools, a C compiler and Python.h, Inductor compiling one kernel
     headline      a transformers Llama (LlamaConfig + LlamaForCausalLM, random weights, bf16, called with
-                  labels; 8 layers, hidden 1024, vocabulary 8000: see ModelConfig) side by side: eager;
-                  optsched with no budget and at 60% / 40% of eager's MEASURED peak (bytes), at 40% with
-                  offload on and off; optsched's Inductor executor at one budget; torch.compile with
-                  activation_memory_budget 1.0 / 0.5 / 0.0; full activation checkpointing (transformers'
-                  own). Per case: measured peak (allocator, model resident), optsched's predicted peak, step
-                  time (CUDA events, median after warm-up), gradients against eager's, planning seconds,
-                  solver status and gap
+                  labels; 8 layers, hidden 1024, vocabulary 8000: see ModelConfig) side by side, first with
+                  eager kernels everywhere: eager (and eager with the causal mask materialized, as every traced
+                  row has it); full activation checkpointing (transformers' own); torch.compile with
+                  activation_memory_budget 1.0 / 0.5 / 0.0 (aot_eager_decomp_partition); optsched with no
+                  budget, at 60% / 40% of eager's MEASURED peak (bytes), at 40% with offload on and off, and at
+                  full checkpointing's measured peak. Last, in the time left: optsched's Inductor executor at
+                  60% and torch.compile (Inductor) at 0.5. Per case: measured peak (allocator, model resident),
+                  optsched's predicted peak, step time (CUDA events, median after warm-up), the allocator's
+                  reserved peak, gradients against eager's, planning seconds, solver status and gap
+    offload       at 40% (--low-share): the offload plan's measured step time against the recompute-only
+                  plan's, and its predicted exposed copy time against an estimate from a profiled step of each
     does_not_fit  the allocator capped (set_per_process_memory_fraction) below eager's peak: eager runs out
                   of memory, optsched with mem_budget="auto" (and bytes) plans and runs within the cap from
                   the first call; the first call's peak, planning included
-    offload       at 40% (--low-share): the offload plan's measured step time against the recompute-only
-                  plan's, and its predicted exposed copy time against an estimate from a profiled step of each
+    gpu_tests     `pytest -m gpu` in a child process (only the test files that have the marker): counts
 
 Writes benchmarks/results/gpu_check.json (--out) after every case, and prints a table. Without CUDA it says so
 and writes a JSON with "cuda": false and every section skipped with its reason; --cpu-smoke runs the headline on
@@ -53,12 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+STARTED = time.perf_counter()  # before torch is imported: the check's seconds count its imports
 MIB, GIB = 2**20, 2**30
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 SCHEMA, SCHEMA_VERSION = "optsched.gpu_check", 1
-SECTIONS = ("gpu_tests", "headline", "does_not_fit", "offload")
-CUDA_ONLY = ("gpu_tests", "does_not_fit", "offload")  # the headline alone has a CPU form (--cpu-smoke)
+SECTIONS = ("preflight", "headline", "offload", "does_not_fit", "gpu_tests")  # the order they run in
+CUDA_ONLY = ("preflight", "gpu_tests", "does_not_fit", "offload")  # the headline alone has a CPU form (--cpu-smoke)
 NO_CUDA = "CUDA is unavailable (torch.cuda.is_available() is False)"
 MINCUT_KNOBS = (1.0, 0.5, 0.0)
 
@@ -114,7 +118,9 @@ class Check:
     cfg: ModelConfig
     out: Path
     result: dict
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # main(): STARTED, imports counted
+    poisoned: str | None = None  # a CUDA error this process cannot recover from: later cases are skipped
+    inductor_broken: str | None = None  # why the preflight could not compile a Triton kernel
     model: Any = None
     ids: Any = None
     eager: dict | None = None  # eager's row
@@ -186,6 +192,10 @@ def run_section(check: Check, name: str, fn: Callable[[Check], dict]) -> dict:
         sec.setdefault("status", "ok")
     except Exception as e:  # noqa: BLE001 - one section's failure must not lose the others
         sec = {"status": "error", "error": error_record(e)}
+        note_poison(check, e)
+        earlier = check.result["sections"].get(name) or {}
+        if earlier.get("cases"):  # rows recorded before the failure stay
+            sec["cases"] = earlier["cases"]
     sec["seconds"] = round(time.perf_counter() - t0, 3)
     check.result["sections"][name] = sec
     check.save()
@@ -197,6 +207,8 @@ def run_case(check: Check, case: Case, rows: list) -> dict:
     row: dict = {"name": case.name, "kind": case.kind}
     if case.skip_reason:
         row.update(skipped(case.skip_reason))
+    elif check.poisoned:
+        row.update(skipped(f"an earlier CUDA error left this process unusable: {check.poisoned}"))
     elif check.time_left() < case.estimate_s:
         row.update(skipped(f"--max-seconds {check.args.max_seconds:.0f}: {check.elapsed():.0f} s spent, this case may "
                            f"take {case.estimate_s:.0f} s"))
@@ -207,8 +219,10 @@ def run_case(check: Check, case: Case, rows: list) -> dict:
             row["status"] = "ok"
         except Exception as e:  # noqa: BLE001 - every case is recorded, whatever happened to the others
             row.update(status="error", error=error_record(e))
-        finally:
-            _clean(check)
+            note_poison(check, e)
+        cleaned = _clean(check)
+        if cleaned:
+            row["clean_error"] = cleaned
         row["seconds"] = round(time.perf_counter() - t0, 3)
     rows.append(row)
     check.save()
@@ -216,7 +230,10 @@ def run_case(check: Check, case: Case, rows: list) -> dict:
     return row
 
 
-def _clean(check: Check) -> None:
+def _clean(check: Check) -> dict | None:
+    """Gradients dropped and the allocator's cache emptied between cases (a case that ran out of memory leaves
+    nothing behind). Never raises: a CUDA error an earlier kernel left surfaces here at the synchronize, and is
+    returned (and marks the process poisoned) instead of replacing the section's rows."""
     import torch
 
     if check.model is not None:
@@ -224,8 +241,33 @@ def _clean(check: Check) -> None:
             p.grad = None
     gc.collect()
     if check.cuda:
-        torch.cuda.synchronize(check.device)
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize(check.device)
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            note_poison(check, e)
+            return error_record(e, limit=4)
+    return None
+
+
+def is_cuda_error(e: BaseException) -> bool:
+    """A CUDA error that leaves the context unusable (an illegal access, a device-side assert, a launch failure):
+    every later kernel fails too. Running out of memory is not one: the allocator recovers once freed."""
+    import torch
+
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(e, accel):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA error" in text or "cudaError" in text or "CUBLAS_STATUS" in text)
+
+
+def note_poison(check: Check, e: BaseException) -> None:
+    if check.cuda and check.poisoned is None and is_cuda_error(e):
+        check.poisoned = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        check.result["poisoned"] = check.poisoned
 
 
 # --------------------------------------------------------------------------- environment
@@ -269,8 +311,9 @@ def git_state(root: Path = ROOT) -> dict:
     try:
         commit = git("rev-parse", "HEAD").strip()
         status = git("status", "--porcelain").splitlines()
-    except (OSError, subprocess.SubprocessError) as e:
-        return {"commit": None, "clean": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    except (OSError, subprocess.SubprocessError) as e:  # a copy of the tree without .git: the commit it was sent at
+        return {"commit": os.environ.get("OPTSCHED_COMMIT"), "clean": None, "from": "OPTSCHED_COMMIT",
+                "error": f"{type(e).__name__}: {str(e)[:200]}"}
     modified = [ln[3:] for ln in status if not ln.startswith("??")]
     return {"commit": commit, "clean": not modified, "modified": modified[:50],
             "untracked": sum(ln.startswith("??") for ln in status)}
@@ -295,7 +338,8 @@ def environment(device) -> dict:
     if device is not None and device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update(device=torch.cuda.get_device_name(device), device_memory_bytes=p.total_memory,
-                   capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count())
+                   capability=f"{p.major}.{p.minor}", device_count=torch.cuda.device_count(),
+                   cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None)
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20)
@@ -462,8 +506,13 @@ def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | 
     row.update(measured_peak_bytes=m.peak_bytes, loss=float(m.loss.float().item()))
     row.update(grad_error(m.grads, check.eager_grads))
     del m
+    if check.cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     t = step_time(run, dev, warmup=0, repeat=a.repeat)
     row.update(step_s=t["median_s"], step_min_s=t["min_s"], step_max_s=t["max_s"], timed_steps=t["n"])
+    if check.cuda:  # over the timed steps: what the caching allocator held from the device (fragmentation shows here)
+        row.update(timed_peak_allocated_bytes=torch.cuda.max_memory_allocated(dev),
+                   timed_peak_reserved_bytes=torch.cuda.max_memory_reserved(dev))
     if check.eager is not None and check.eager.get("step_s"):
         row["time_vs_eager"] = row["step_s"] / check.eager["step_s"]
         row["peak_vs_eager"] = row["measured_peak_bytes"] / check.eager["measured_peak_bytes"]
@@ -488,12 +537,18 @@ def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | 
 
 # --------------------------------------------------------------------------- headline cases
 
-def _budget(check: Check, share: float | None) -> int | None:
+def _budget(check: Check, share: float | None, of: str = "eager") -> int | None:
     if share is None:
         return None
-    if check.eager is None:
-        raise RuntimeError("eager's measured peak is unknown (the eager case failed): no budget to take a share of")
-    return int(share * check.eager["measured_peak_bytes"])
+    if of == "eager":
+        ref = check.eager
+    else:
+        rows = (check.result["sections"].get("headline") or {}).get("cases", [])
+        ref = next((r for r in rows if r.get("name") == of and r.get("status") == "ok"), None)
+    if ref is None:
+        raise RuntimeError(f"{of}'s measured peak is unknown (its case failed or was skipped): no budget to take a "
+                           "share of")
+    return int(share * ref["measured_peak_bytes"])
 
 
 def case_eager(check: Check) -> dict:
@@ -510,15 +565,37 @@ def case_eager(check: Check) -> dict:
     return row
 
 
-def case_optsched(share: float | None, offload: bool | None = None, executor: str | None = None,
-                  profile: bool = False, role: str | None = None) -> Callable[[Check], dict]:
+def case_eager_mask(check: Check) -> dict:
+    """Eager with the causal mask materialized, as transformers builds it whenever Dynamo traces the model (its
+    `is_tracing` check: optsched's capture and torch.compile alike), where plain eager passes `is_causal=True`
+    and no mask. The like-for-like reference of the captured and compiled rows: SDPA picks its kernel by whether
+    a mask is given."""
+    import transformers.masking_utils as mu
+
+    if not hasattr(mu, "_ignore_causal_mask_sdpa"):
+        raise RuntimeError("transformers.masking_utils has no _ignore_causal_mask_sdpa: this transformers decides "
+                           "the mask elsewhere")
+    real = mu._ignore_causal_mask_sdpa
+    mu._ignore_causal_mask_sdpa = lambda *a, **k: False
+    try:
+        return measure_case(check, loss_call(check.model))
+    finally:
+        mu._ignore_causal_mask_sdpa = real
+
+
+def case_optsched(share: float | None, offload: bool | None = None, executor: str | None = "eager",
+                  profile: bool = False, role: str | None = None, of: str = "eager") -> Callable[[Check], dict]:
+    """optsched at `share` of the measured peak of case `of` (eager's by default). Executor "eager" (the same
+    kernels as eager, so peak and time differ by the plan alone) unless another is asked for; None is optsched's
+    default (Inductor on CUDA where Triton imports)."""
     def run(check: Check) -> dict:
         import optsched
 
-        budget = _budget(check, share)
+        budget = _budget(check, share, of)
         opt = optsched.optimize(check.model, budget, time_limit_s=check.args.time_limit, offload=offload, executor=executor)
         row = measure_case(check, loss_call(opt), opt=opt, budget_bytes=budget, profile=profile)
-        row.update(share_of_eager=share, offload=offload, executor_asked=executor, role=role)
+        row.update(share_of_eager=share if of == "eager" else None, share_of=of, offload=offload,
+                   executor_asked=executor, role=role)
         return row
 
     return run
@@ -540,45 +617,57 @@ def case_checkpointing(check: Check) -> dict:
         disable()
 
 
-def case_mincut(knob: float) -> Callable[[Check], dict]:
+def case_mincut(knob: float, backend: str) -> Callable[[Check], dict]:
     """torch.compile with torch._functorch.config.activation_memory_budget = knob (its min-cut partitioner),
-    compiled and measured inside the setting."""
+    compiled and measured inside the setting. Backend aot_eager_decomp_partition runs the partitioned graphs
+    with eager kernels (like optsched's eager executor: the plans differ, not the kernels); inductor fuses."""
     def run(check: Check) -> dict:
         import torch
 
         torch._dynamo.reset()
         try:
             with torch._functorch.config.patch(activation_memory_budget=knob):
-                compiled = torch.compile(check.model, backend=check.args.mincut_backend, dynamic=False)
+                compiled = torch.compile(check.model, backend=backend, dynamic=False)
                 row = measure_case(check, loss_call(compiled))
         finally:
             torch._dynamo.reset()
-        row.update(activation_memory_budget=knob, backend=check.args.mincut_backend)
+        row.update(activation_memory_budget=knob, backend=backend)
         return row
 
     return run
 
 
 def headline_cases(check: Check) -> tuple[list[Case], list[Case]]:
-    """The headline's cases: those run first, and those run after the does_not_fit and offload sections (the
-    compilers': their compiles are the longest)."""
+    """The headline's cases in two parts: the side-by-side comparison (eager, full checkpointing, torch.compile's
+    budget knob with eager kernels, optsched with eager kernels at eager's shares and at checkpointing's peak),
+    run first; the fused ones (optsched's Inductor executor, torch.compile with Inductor: the longest compiles),
+    run after the does_not_fit section and the GPU tests, in what time is left."""
     tl = check.args.time_limit
     plan_s = 2 * tl + 30  # a plan, possibly redone once the first backward showed the outputs' use, + capture and steps
     smoke, low = check.args.cpu_smoke, check.args.low_share
+    no_inductor = ("--cpu-smoke: Inductor compiles C++ for every fusion group on the CPU (minutes)" if smoke
+                   else check.inductor_broken and f"the preflight found Inductor broken: {check.inductor_broken}")
+    mb = check.args.mincut_backend
     first = [
         Case("eager", "eager", case_eager, 15),
+        Case("eager, mask as traced", "eager", case_eager_mask, 15),
+        Case("full checkpointing", "checkpointing", case_checkpointing, 15),
+        *[Case(f"torch.compile amb={k:g}", "mincut", case_mincut(k, mb), 75 if mb == "inductor" else 25)
+          for k in MINCUT_KNOBS],
         Case("optsched none", "optsched", case_optsched(None), plan_s),
         Case("optsched 60%", "optsched", case_optsched(0.6), plan_s),
         Case(f"optsched {low:.0%} offload", "optsched", case_optsched(low, True, profile=True, role="offload"), plan_s + 5),
         Case(f"optsched {low:.0%} recompute-only", "optsched", case_optsched(low, False, profile=True, role="recompute_only"),
              plan_s + 5),
-        Case("full checkpointing", "checkpointing", case_checkpointing, 15),
+        Case("optsched at checkpointing's peak", "optsched", case_optsched(1.0, of="full checkpointing",
+                                                                           role="at_checkpointing"), plan_s),
     ]
     ib = check.args.inductor_budget
     later = [Case(f"optsched {ib:.0%} inductor", "optsched", case_optsched(ib, executor="inductor"), plan_s + 60,
-                  skip_reason="--cpu-smoke: Inductor compiles C++ for every fusion group on the CPU (minutes)" if smoke else None)]
-    later += [Case(f"torch.compile amb={k:g}", "mincut", case_mincut(k), 75 if check.args.mincut_backend == "inductor" else 20)
-              for k in MINCUT_KNOBS]
+                  skip_reason=no_inductor or None)]
+    if mb != "inductor":
+        later.append(Case("torch.compile inductor amb=0.5", "mincut", case_mincut(0.5, "inductor"), 75,
+                          skip_reason=no_inductor or None))
     if check.args.cases:
         wanted = {c.strip() for c in check.args.cases.split(",")}
         keep = lambda cs: [c for c in cs if c.name in wanted or c.kind in wanted or c.name == "eager"]  # noqa: E731
@@ -667,11 +756,62 @@ def junit_counts(path: Path) -> dict:
             "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"], "failed_names": failed[:20]}
 
 
+def section_preflight(check: Check) -> dict:
+    """Seconds that find what would waste the expensive part: a CUDA matmul, OR-tools solving a one-variable
+    model, a C compiler and Python.h (Triton builds its launcher with them at run time), and Inductor compiling one
+    Triton kernel (its failure skips the Inductor rows with the reason, instead of failing each after its cost)."""
+    import shutil
+    import sysconfig
+
+    import torch
+
+    if not check.cuda:
+        return skipped(NO_CUDA)
+    dev, sec = check.device, {}
+    t0 = time.perf_counter()
+    x = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    sec["matmul_ok"] = bool(torch.isfinite((x @ x).float().sum()).item())
+    sec["matmul_s"] = time.perf_counter() - t0
+    from ortools.sat.python import cp_model
+
+    m = cp_model.CpModel()
+    v = m.new_int_var(0, 3, "v")
+    m.maximize(v)
+    solver = cp_model.CpSolver()
+    sec["ortools_ok"] = solver.solve(m) == cp_model.OPTIMAL and solver.value(v) == 3
+    sec["cc"] = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    sec["python_h"] = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    t0 = time.perf_counter()
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(lambda t: torch.sin(t) * 2 + 1, backend="inductor", dynamic=False)
+        ok = torch.allclose(f(x.float()), torch.sin(x.float()) * 2 + 1)
+        _sync(dev)
+        sec["inductor"] = "ok" if ok else "wrong result"
+        if not ok:
+            check.inductor_broken = "one compiled pointwise kernel gave a wrong result"
+    except Exception as e:  # noqa: BLE001 - recorded; the Inductor rows are skipped with it
+        sec["inductor"] = error_record(e, limit=6)
+        check.inductor_broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    finally:
+        torch._dynamo.reset()
+    sec["inductor_s"] = time.perf_counter() - t0
+    print(f"  preflight: matmul {sec['matmul_ok']}, ortools {sec['ortools_ok']}, cc {sec['cc']}, Python.h "
+          f"{sec['python_h']}, inductor {sec['inductor'] if isinstance(sec['inductor'], str) else 'FAILED'} "
+          f"({sec['inductor_s']:.1f} s)", flush=True)
+    return sec
+
+
 def section_gpu_tests(check: Check) -> dict:
     if not check.cuda:
         return skipped(NO_CUDA)
     if check.args.no_tests:
         return skipped("--no-tests")
+    if check.poisoned:
+        return skipped(f"an earlier CUDA error left this process unusable: {check.poisoned}")
+    limit = min(check.args.pytest_timeout, check.time_left() - 10)
+    if limit < 30:
+        return skipped(f"--max-seconds {check.args.max_seconds:.0f}: {check.elapsed():.0f} s spent")
     if importlib.util.find_spec("pytest") is None:
         return skipped("pytest is not installed for this python")
     files = gpu_test_files()
@@ -683,11 +823,11 @@ def section_gpu_tests(check: Check) -> dict:
         cmd = [sys.executable, "-c", _PYTEST_BOOTSTRAP, "-q", "-m", "gpu", "-p", "no:cacheprovider",
                "--continue-on-collection-errors", f"--junitxml={report}", *files]
         try:
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=check.args.pytest_timeout)
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"")[-3000:]
             return {"status": "error", "files": files, "error": {"type": "TimeoutExpired",
-                    "message": f"pytest -m gpu ran past --pytest-timeout {check.args.pytest_timeout} s",
+                    "message": f"pytest -m gpu ran past its limit, {limit:.0f} s",
                     "traceback": out.decode(errors="replace") if isinstance(out, bytes) else out}}
         sec = {"files": files, "command": "pytest " + " ".join(cmd[3:]), "returncode": p.returncode,
                "output_tail": (p.stdout + p.stderr)[-3000:]}
@@ -709,6 +849,8 @@ def section_does_not_fit(check: Check) -> dict:
 
     if not check.cuda:
         return skipped(NO_CUDA + ": the cap is torch.cuda.set_per_process_memory_fraction")
+    if check.poisoned:
+        return skipped(f"an earlier CUDA error left this process unusable: {check.poisoned}")
     if check.eager is None:
         raise RuntimeError("eager's measured peak is unknown (the eager case failed or was skipped)")
     dev, model, ids = check.device, check.model, check.ids
@@ -893,6 +1035,17 @@ def render_table(result: dict) -> str:
     model = (result.get("config") or {}).get("model")
     if model and model.get("describe"):
         lines.append(f"model: {model.get('describe')}, {model.get('params', 0) / 1e6:.1f}M parameters")
+    pf = secs.get("preflight", {})
+    if pf.get("status") == "ok":
+        ind = pf.get("inductor")
+        lines.append(f"preflight: matmul {'ok' if pf.get('matmul_ok') else 'WRONG'}, OR-tools "
+                     f"{'ok' if pf.get('ortools_ok') else 'WRONG'}, C compiler {pf.get('cc') or 'none'}, Python.h "
+                     f"{'yes' if pf.get('python_h') else 'no'}, Inductor "
+                     f"{ind if isinstance(ind, str) else 'FAILED: ' + str((ind or {}).get('message', ''))[:160]}")
+    elif pf:
+        lines.append(_not_run("preflight", pf))
+    if result.get("poisoned"):
+        lines.append(f"a CUDA error left the process unusable; what followed was skipped: {result['poisoned']}")
     t = secs.get("gpu_tests", {})
     if t.get("status") == "skipped":
         lines.append(f"\npytest -m gpu: skipped ({t.get('reason')})")
@@ -971,7 +1124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --small 4)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; --small 1024)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8000: see ModelConfig; Llama's is 32000)")
-    ap.add_argument("--eager-share", type=float, default=0.6, help="the automatic batch: eager's peak / device memory")
+    ap.add_argument("--eager-share", type=float, default=0.25, help="the automatic batch: eager's peak / device memory "
+                    "(a quarter: steps, op timing and offload's pinned copies stay quick; every budget is a share)")
     ap.add_argument("--max-batch", type=int, default=64, help="the automatic batch's ceiling")
     ap.add_argument("--time-limit", type=float, default=None, help="optsched's planning limit per plan, s (default 8; "
                     "--cpu-smoke 2.5: planning counts work, about wall seconds of a 2-core machine)")
@@ -981,13 +1135,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the low budget (offload on and off), share of eager's peak (default 0.4; --cpu-smoke 0.5: the "
                     "tiny model's plans at 40%% take longer to find than the smoke has)")
     ap.add_argument("--inductor-budget", type=float, default=0.6, help="the Inductor executor's budget, share of eager's peak")
-    ap.add_argument("--mincut-backend", default=None, choices=["inductor", "aot_eager_decomp_partition"],
-                    help="torch.compile backend of the activation_memory_budget cases (default inductor; "
-                    "--cpu-smoke aot_eager_decomp_partition)")
+    ap.add_argument("--mincut-backend", default="aot_eager_decomp_partition",
+                    choices=["inductor", "aot_eager_decomp_partition"],
+                    help="torch.compile backend of the three activation_memory_budget cases (default "
+                    "aot_eager_decomp_partition: eager kernels, as optsched's rows; one inductor case at 0.5 runs later)")
     ap.add_argument("--not-fit-share", type=float, default=0.7, help="does_not_fit: the cap, as a share of eager's peak")
-    ap.add_argument("--max-seconds", type=float, default=420.0,
-                    help="a case that may not finish within this many seconds of the start is skipped (default 420: "
-                    "the whole check, imports and table included, within 8 minutes)")
+    ap.add_argument("--max-seconds", type=float, default=460.0,
+                    help="a case that may not finish within this many seconds of the start (imports counted) is "
+                    "skipped (default 460: the whole check within 8 minutes, and a case that outruns its estimate "
+                    "within the device call's 540 s)")
     ap.add_argument("--pytest-timeout", type=float, default=120.0, help="pytest -m gpu's limit, s")
     ap.add_argument("--no-tests", action="store_true", help="skip pytest -m gpu")
     ap.add_argument("--cases", default=None, help="only these headline cases (names or kinds, comma-separated); eager always")
@@ -998,7 +1154,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 2)
     a.repeat = a.repeat if a.repeat is not None else (2 if smoke else 5)
     a.low_share = a.low_share if a.low_share is not None else (0.5 if smoke else 0.4)
-    a.mincut_backend = a.mincut_backend or ("aot_eager_decomp_partition" if smoke else "inductor")
     return a
 
 
@@ -1029,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = model_config(a, cuda)
-    check = Check(a, device, cfg, a.out, new_result(a, cuda, cfg))
+    check = Check(a, device, cfg, a.out, new_result(a, cuda, cfg), started=STARTED)
     threads = torch.get_num_threads()
     if not cuda:
         print(f"{NO_CUDA}: the CUDA sections are skipped" + ("; --cpu-smoke: the headline on a tiny Llama on the CPU"
@@ -1039,8 +1194,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check.result["environment"] = {**environment(device), "optsched_from": found}
         check.save()
-        steps = [("gpu_tests", section_gpu_tests), ("headline", section_headline_first),
-                 ("does_not_fit", section_does_not_fit), ("offload", section_offload), ("headline", section_headline_later)]
+        steps = [("preflight", section_preflight), ("headline", section_headline_first), ("offload", section_offload),
+                 ("does_not_fit", section_does_not_fit), ("gpu_tests", section_gpu_tests),
+                 ("headline", section_headline_later)]
         for name, fn in steps:
             print(f"[{check.elapsed():5.0f} s] {name}", flush=True)
             run_section(check, name, fn)

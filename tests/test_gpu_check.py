@@ -73,7 +73,8 @@ def test_cpu_smoke_end_to_end(tmp_path, no_cuda, monkeypatch):
     monkeypatch.setattr(gc, "section_does_not_fit", raising)
     out = tmp_path / "smoke.json"
     cases = ["optsched none", "optsched 60%", "optsched 50% offload", "optsched 50% recompute-only", "full checkpointing",
-             "torch.compile amb=0.5", "optsched 60% inductor", "boom"]
+             "torch.compile amb=0.5", "optsched 60% inductor", "boom", "eager, mask as traced",
+             "optsched at checkpointing's peak"]
     assert gc.main(["--cpu-smoke", "--out", str(out), "--cases", ",".join(cases)]) == 0
     r = _load(out)
     assert r["cuda"] is False and r["schema_problems"] == [] and gc.check_schema(r) == []
@@ -82,8 +83,9 @@ def test_cpu_smoke_end_to_end(tmp_path, no_cuda, monkeypatch):
     assert secs["gpu_tests"]["status"] == "skipped" and secs["offload"]["status"] == "skipped"
     assert secs["headline"]["status"] == "ok"
     rows = {c["name"]: c for c in secs["headline"]["cases"]}
-    assert list(rows) == ["eager", "optsched none", "boom", "optsched 60%", "optsched 50% offload",
-                          "optsched 50% recompute-only", "full checkpointing", "optsched 60% inductor", "torch.compile amb=0.5"]
+    assert list(rows) == ["eager", "eager, mask as traced", "boom", "full checkpointing", "torch.compile amb=0.5",
+                          "optsched none", "optsched 60%", "optsched 50% offload", "optsched 50% recompute-only",
+                          "optsched at checkpointing's peak", "optsched 60% inductor"]
     assert rows["boom"]["status"] == "error" and rows["boom"]["error"]["type"] == "ZeroDivisionError"
     assert rows["optsched 60% inductor"]["status"] == "skipped" and "Inductor" in rows["optsched 60% inductor"]["reason"]
     eager = rows["eager"]
@@ -102,6 +104,15 @@ def test_cpu_smoke_end_to_end(tmp_path, no_cuda, monkeypatch):
     assert rows["optsched 60%"]["within_budget"] and rows["optsched 50% recompute-only"]["within_budget"]
     assert rows["optsched 50% offload"]["role"] == "offload" and rows["optsched 50% recompute-only"]["n_offloaded"] == 0
     assert rows["torch.compile amb=0.5"]["activation_memory_budget"] == 0.5
+    assert rows["torch.compile amb=0.5"]["backend"] == "aot_eager_decomp_partition"
+    # like for like: the traced step's attention takes the materialized mask; eager's own takes is_causal
+    # (within a few bytes: the captured step can hold a loss scalar eager has freed, issue 33's note)
+    assert rows["optsched none"]["measured_peak_bytes"] <= rows["eager, mask as traced"]["measured_peak_bytes"] + 64
+    assert rows["eager, mask as traced"]["measured_peak_bytes"] > eager["measured_peak_bytes"]
+    at_ckpt = rows["optsched at checkpointing's peak"]
+    assert at_ckpt["share_of"] == "full checkpointing" and at_ckpt["within_budget"]
+    assert at_ckpt["budget_bytes"] == rows["full checkpointing"]["measured_peak_bytes"]
+    assert rows["optsched 60%"]["executor"] == "eager"
     text = gc.render_table(r)
     assert "ZeroDivisionError" in text and "optsched 60%" in text and "does not fit: error" in text
 
@@ -116,6 +127,8 @@ def _cuda_result() -> dict:
                         "transformers": "5.0.0", "git": {"commit": "0123456789abcdef", "clean": True}},
         "config": {"model": {"describe": "Llama 8 layers", "params": 168_000_000}},
         "sections": {
+            "preflight": {"status": "ok", "matmul_ok": True, "ortools_ok": True, "cc": "/usr/bin/cc", "python_h": True,
+                          "inductor": "ok"},
             "gpu_tests": {"status": "failed", "tests": 9, "passed": 7, "failed": 1, "errors": 0, "skipped": 1},
             "headline": {"status": "ok", "cases": [
                 dict(ok, name="eager", kind="eager", time_vs_eager=1.0, grad_max_rel_err=0.0),
@@ -145,7 +158,8 @@ def test_table_renders_every_section():
     text = gc.render_table(r)
     for part in ("NVIDIA H100", "2.11.0+cu130", "0123456789ab", "7 passed, 1 failed", "optsched 40% offload", "16,384",
                  "15,360", "yes", "1.12", "FEASIBLE", "4.0%", "OutOfMemoryError", "--max-seconds 450",
-                 "eager ran out of memory", "auto: budget 24,576 MiB", "within cap: yes", "offload at 40%", "exposed copies "
+                 "eager ran out of memory", "preflight: matmul ok, OR-tools ok, C compiler /usr/bin/cc, Python.h yes, "
+                 "Inductor ok", "auto: budget 24,576 MiB", "within cap: yes", "offload at 40%", "exposed copies "
                  "predicted 4.00 ms, measured estimate 9.00 ms", "401 s in all"):
         assert part in text, part
     assert "tree not clean" not in text
@@ -193,6 +207,57 @@ def test_run_case_records_an_error_a_skip_and_figures(tmp_path):
     assert json.loads((tmp_path / "c.json").read_text())["elapsed_s"] >= 0  # written after every case
 
 
+def test_a_cuda_error_skips_what_follows_and_out_of_memory_does_not(tmp_path, monkeypatch):
+    """After a CUDA error (an illegal access) every later kernel fails too: the cases after it are skipped with
+    that reason, instead of each failing after its cost. Running out of memory is recoverable: nothing skipped.
+    The synchronize between cases, where an earlier kernel's error surfaces, never loses the rows."""
+    check = _stub_check(tmp_path)
+    check.__class__ = _FakeCudaCheck
+    check.result["sections"]["headline"] = {"cases": []}
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda d=None: None)
+    rows: list = []
+
+    def oom(check):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def illegal(check):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    fine = lambda c: {"measured_peak_bytes": 5, "step_s": 0.1}  # noqa: E731
+    gc.run_case(check, gc.Case("oom", "optsched", oom, 1), rows)
+    gc.run_case(check, gc.Case("after oom", "eager", fine, 1), rows)
+    assert [r["status"] for r in rows] == ["error", "ok"] and check.poisoned is None
+    gc.run_case(check, gc.Case("illegal", "optsched", illegal, 1), rows)
+    gc.run_case(check, gc.Case("after", "eager", fine, 1), rows)
+    assert rows[-1]["status"] == "skipped" and "illegal memory access" in rows[-1]["reason"]
+    assert "illegal memory access" in json.loads((tmp_path / "c.json").read_text())["poisoned"]
+
+    def sync_fails(d=None):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    check.poisoned = None
+    monkeypatch.setattr(torch.cuda, "synchronize", sync_fails)
+    gc.run_case(check, gc.Case("clean fails", "eager", fine, 1), rows)
+    assert rows[-1]["status"] == "ok" and "device-side assert" in rows[-1]["clean_error"]["message"]
+    assert check.poisoned and "device-side assert" in check.poisoned
+    assert "what followed was skipped" in gc.render_table({**_cuda_result(), "poisoned": check.poisoned})
+
+
+def test_a_section_that_fails_keeps_the_rows_it_recorded(tmp_path):
+    check = _stub_check(tmp_path)
+    check.result["sections"]["headline"] = {"status": "ok", "cases": [{"name": "eager", "status": "ok"}]}
+
+    def later(check):
+        check.result["sections"]["headline"]["cases"].append({"name": "second", "status": "ok"})
+        raise RuntimeError("outside any case")
+
+    sec = gc.run_section(check, "headline", later)
+    assert sec["status"] == "error" and [r["name"] for r in sec["cases"]] == ["eager", "second"]
+    assert [r["name"] for r in json.loads((tmp_path / "c.json").read_text())["sections"]["headline"]["cases"]] == [
+        "eager", "second"]
+
+
 def test_write_json_has_no_nan_and_replaces_atomically(tmp_path):
     path = tmp_path / "sub" / "r.json"
     gc.write_json(path, {"a": math.nan, "b": [math.inf, 1.5, (2, 3)], "c": {"d": torch.device("cpu")}})
@@ -229,7 +294,8 @@ def test_options_and_model_configs():
     a = gc.parse_args(["--cpu-smoke"])
     assert a.time_limit == 2.5 and a.low_share == 0.5 and a.mincut_backend == "aot_eager_decomp_partition"
     a = gc.parse_args([])
-    assert a.time_limit == 8.0 and a.low_share == 0.4 and a.mincut_backend == "inductor" and a.out == gc.DEFAULT_OUT
+    assert a.time_limit == 8.0 and a.low_share == 0.4 and a.mincut_backend == "aot_eager_decomp_partition"
+    assert a.out == gc.DEFAULT_OUT and a.eager_share == 0.25 and a.max_seconds == 460
     assert gc.model_config(a, cuda=True) == gc.FULL and gc.FULL.batch is None  # chosen from the device
     assert gc.model_config(gc.parse_args(["--small", "--batch", "3"]), cuda=True).batch == 3
     assert gc.model_config(a, cuda=False) == gc.TINY
@@ -381,7 +447,7 @@ def test_the_automatic_batch_fills_the_share_of_the_device(tmp_path, monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=200 * MIB))
     batch, how = gc.choose_batch(check, model)
     per, fixed = how["per_sample_bytes"], how["eager_peak_batch1_bytes"] - how["per_sample_bytes"]
-    assert how["chosen"] == "auto" and per > 0 and how["target_bytes"] == int(0.6 * 200 * MIB)
+    assert how["chosen"] == "auto" and per > 0 and how["target_bytes"] == int(args.eager_share * 200 * MIB)
     assert batch == min(args.max_batch, (how["target_bytes"] - fixed) // per)
     assert how["predicted_eager_peak_bytes"] == fixed + batch * per
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=2**40))

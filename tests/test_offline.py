@@ -296,6 +296,7 @@ def test_gpu_plan_refused_on_this_cpu_naming_attention(tmp_path):
                           offload=False, plan=path)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the machine the H100 plan is made for")
 def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
     """Issue 6's hand-over: plan on a CPU for H100, load the file on the GPU. The GPU's SDPA choice
@@ -319,7 +320,7 @@ def test_h100_plan_made_on_cpu_replays_on_the_gpu(tmp_path):
     assert any("loaded from" in n for n in opt.plan.stats.notes)
     assert opt.plan.predicted_peak_bytes == offline.predicted_peak_bytes
     start = torch.cuda.memory_allocated()  # parameters and inputs: counted in the plan's peak
-    peak = measure_peak(lambda: opt(*inputs).backward()).peak_bytes
+    peak = measure_peak(lambda: opt(*inputs).backward(), "cuda").peak_bytes
     # the caching allocator rounds blocks up to 512 bytes
     assert start + peak <= offline.summary()["budget_bytes"] * 1.01
 

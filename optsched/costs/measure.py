@@ -285,3 +285,11 @@ def device_of(values) -> torch.device | None:
         if isinstance(x, torch.Tensor):
             return x.device
     return None
+
+
+def device_sync() -> Callable[[], None]:
+    """What a timer waits on: CUDA kernels run after their launch returns, so a timer that does not wait for
+    them times the launch. Nothing to wait for where CUDA was never started (CPU ops run when called)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.synchronize
+    return lambda: None

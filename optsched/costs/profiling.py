@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.autograd.profiler import record_function
 
 from .profiles import NodeCosts, get_profile, node_time, random_like
-from .measure import memory_profile, walk_events
+from .measure import device_sync, memory_profile, walk_events
 from ..passes.op_variants import inplace_foreach, out_variant
 
 _OP = "optsched::"
@@ -240,11 +240,14 @@ def _time_op(n: fx.Node, inputs: _OpInputs, repeat: int) -> float:
     """Fastest of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`,
     within `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run."""
     args, kwargs, _ = inputs.args(n)
+    sync = device_sync()
     n.target(*args, **kwargs)  # warms caches and the allocator (the result is dropped at once)
     runs: list[float] = []
     while len(runs) < repeat or (sum(runs) < _SHORT_S and len(runs) < _MAX_RUNS):
+        sync()
         t0 = time.perf_counter()
         out = n.target(*args, **kwargs)
+        sync()
         runs.append(time.perf_counter() - t0)
         del out
     return min(runs)

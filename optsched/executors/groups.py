@@ -24,7 +24,7 @@ from ..costs.profiles import DeviceProfile, node_flops, random_like
 from .base import Executor
 from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
-from ..costs.measure import measure_peak
+from ..costs.measure import device_sync, measure_peak
 from ..solvers.search.fusion_groups import check_group, internal_tensors
 from ..solvers.model.problem import Problem, convexity_violation, reject
 
@@ -147,9 +147,12 @@ def _profile_kernel(kernel: Callable[..., tuple], example: list[torch.Tensor]) -
     out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
     del outs
     best = float("inf")
+    sync = device_sync()
     for _ in range(3):
+        sync()
         t0 = time.perf_counter()
         kernel(*example)
+        sync()
         best = min(best, time.perf_counter() - t0)
     peak = measure_peak(lambda: kernel(*example), example[0].device if example else "cpu")
     return best, max(0, peak.peak_bytes - out_bytes)

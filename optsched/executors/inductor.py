@@ -38,10 +38,19 @@ def is_pointwise_write(target) -> bool:
     """An `out=` form of a pointwise op (how a folded copy-back writes a new value into an input)."""
     return (
         isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.out in target.tags
+        and _is_out_variant(target)
         and torch.Tag.pointwise in target.tags
         and not target.overloadpacket.__name__.startswith("_foreach")
     )
+
+
+def _is_out_variant(target: torch._ops.OpOverload) -> bool:
+    """torch 2.13 tags `out=` overloads (`Tag.out`); torch 2.11 has no such tag, so its schema says it: an
+    argument written as the op's output."""
+    out_tag = getattr(torch.Tag, "out", None)
+    if out_tag is not None and out_tag in target.tags:
+        return True
+    return any(a.is_out for a in target._schema.arguments)
 
 
 def _layout(x: torch.Tensor) -> tuple:

@@ -822,6 +822,72 @@ def headline_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(d: dict) -> str:
+    """`make gpu-check`'s JSON: the device, the headline side by side, and what the other sections found."""
+    env, secs = d.get("environment", {}), d.get("sections", {})
+    model = (d.get("config") or {}).get("model") or {}
+    head = secs.get("headline") or {}
+    eager = next((r for r in head.get("cases", []) if r.get("name") == "eager" and r.get("status") == "ok"), {})
+    lines = [
+        f"{env.get('device')} ({(env.get('device_memory_bytes') or 0) / 2**30:.0f} GiB), torch {env.get('torch')}, "
+        f"CUDA {env.get('cuda_runtime')}, cuDNN {env.get('cudnn')}, Triton {env.get('triton')}, transformers "
+        f"{env.get('transformers')}. {model.get('describe', '')}, {model.get('params', 0) / 1e6:.0f}M parameters; "
+        f"labels given; eager kernels in every row but the last two. Budgets are shares of eager's measured peak.",
+        "",
+        "| case | budget | predicted | measured | fits | step | vs eager | grads (max rel. vs eager) | plan s | solver |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def gib(b):
+        return "" if b is None else f"{b / 2**30:.2f} GiB"
+
+    for r in head.get("cases", []):
+        if r.get("status") != "ok":
+            why = r.get("reason") or (r.get("error") or {}).get("message", "")
+            lines.append(f"| {r.get('name')} | {gib(r.get('budget_bytes'))} | {r.get('status')}: "
+                         f"{why.splitlines()[0][:200] if why else ''} | | | | | | | |")
+            continue
+        fits = "" if r.get("within_budget") is None else ("yes" if r["within_budget"] else "**NO**")
+        pred = r.get("predicted_peak_bytes")
+        diff = "" if pred is None else f" ({(r['measured_peak_bytes'] - pred) / 2**20:+.1f} MiB)"
+        plan_s = "" if r.get("plan_s") is None else f"{r['plan_s']:.1f}"
+        lines.append(
+            f"| {r['name']} | {gib(r.get('budget_bytes'))} | {gib(pred)} | {gib(r['measured_peak_bytes'])}{diff} | {fits} "
+            f"| {r['step_s'] * 1e3:.0f} ms | {r.get('time_vs_eager', 0):.2f}x | {r.get('grad_max_rel_err', 0):.1e} "
+            f"| {plan_s} | {r.get('solver_status') or ''} |")
+    if eager:
+        lines += ["", f"Eager's own gradients, step to step, differ by {eager.get('grad_max_rel_err', 0):.1e} (bf16 "
+                      "kernels with atomics): the scale every row's gradient difference is read against."]
+    n = secs.get("does_not_fit") or {}
+    if n.get("status") == "ok":
+        e = n.get("eager") or {}
+        lines += ["", f"**Does not fit**: the allocator capped at {n['limit_bytes'] / 2**30:.2f} GiB; eager "
+                      + ("runs out of memory." if e.get("out_of_memory") else "fits (the cap did not bind).")]
+        for r in n.get("cases", []):
+            if r.get("status") == "ok":
+                lines.append(f"`mem_budget={r['budget']!r}`: budget {gib(r['budget_bytes'])}, first call (planning "
+                             f"included) peaks at {gib(r['first_call_peak_bytes'])}: within the cap "
+                             f"{'yes' if r['first_call_within_limit'] else 'NO'}, within the budget "
+                             f"{'yes' if r['first_call_within_budget'] else 'NO'}; step {r['step_s'] * 1e3:.0f} ms.")
+            else:
+                why = r.get("reason") or (r.get("error") or {}).get("message", "")
+                lines.append(f"`mem_budget={r['budget']!r}`: {r.get('status')}: {why.splitlines()[0][:240] if why else ''}")
+    o = secs.get("offload") or {}
+    if o.get("status") == "ok":
+        lines += ["", f"**Offload** at {o['share_of_eager']:.0%}: {o['n_offloaded']} tensors "
+                      f"({o['offloaded_bytes'] / 2**20:,.0f} MiB) offloaded; step {o['measured_step_s']['offload'] * 1e3:.0f} "
+                      f"ms against recompute-only's {o['measured_step_s']['recompute_only'] * 1e3:.0f} ms (predicted "
+                      f"{o['predicted_step_s']['offload'] * 1e3:.0f} vs {o['predicted_step_s']['recompute_only'] * 1e3:.0f} "
+                      f"ms); exposed copy time predicted {o['predicted_exposed_transfer_s'] * 1e3:.2f} ms, measured "
+                      f"{(o.get('measured_exposed_transfer_estimate_s') or 0) * 1e3:.2f} ms (profiled idle time beyond "
+                      "recompute-only's)."]
+    t = secs.get("gpu_tests") or {}
+    if "tests" in t:
+        lines += ["", f"`pytest -m gpu`: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
+                      + (f" (failed: {', '.join(t.get('failed_names') or [])})" if t.get("failed") else "") + "."]
+    return "\n".join(lines)
+
+
 def fsdp_table(d: dict) -> str:
     """benchmarks/fsdp_offline.py: per-rank budgets of a Llama-3-8B-shaped model under FSDP2 over 8 H100s, planned offline."""
     gib = 2**30
@@ -893,6 +959,7 @@ TABLES = {
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
     "chunking": ("chunking.json", chunking_table),
     "fsdp": ("fsdp_offline.json", fsdp_table),
+    "gpu": ("gpu_check.json", gpu_table),
     "durations": (None, durations_table),
 }
 # the files the tables are rendered into

@@ -485,7 +485,7 @@ def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | 
     caller doing included), the peak of one step at the allocator (measure_training_step: the model and the
     batch + the rise), gradients against eager's, the median step time; with `opt`, its plan's figures."""
     import torch
-    from optsched.measure import measure_training_step
+    from optsched.measure import live_bytes, measure_training_step
 
     model, ids, dev, a = check.model, check.ids, check.device, check.args
     run = train_step(call, model, ids)
@@ -502,6 +502,9 @@ def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | 
     first_plan = opt.plan if opt is not None else None
     for _ in range(a.warmup):
         run()
+    if check.cuda:  # what the measured peak counts beside the step: the model, the batch, and the rest
+        row.update(allocated_at_start_bytes=torch.cuda.memory_allocated(dev), resident_bytes=live_bytes(model, ids),
+                   foreign_blocks=foreign_blocks(model, ids))
     m = measure_training_step(call, model, (ids,))
     row.update(measured_peak_bytes=m.peak_bytes, loss=float(m.loss.float().item()))
     row.update(grad_error(m.grads, check.eager_grads))
@@ -533,6 +536,29 @@ def measure_case(check: Check, call: Callable, *, opt=None, budget_bytes: int | 
         except Exception as e:  # noqa: BLE001 - the profiler is extra: its failure keeps the case's figures
             row["profile"] = {"error": error_record(e, limit=4)}
     return row
+
+
+def foreign_blocks(model, ids, limit: int = 24) -> dict:
+    """The caching allocator's allocated blocks that are not the model's parameters, buffers or gradients nor
+    the batch: their sizes (largest first, with how many of each), and their total. What a measured peak
+    counts that no plan of the step holds (cuBLAS workspaces, caches, leftovers of earlier cases)."""
+    import torch
+
+    try:
+        snapshot = torch.cuda.memory_snapshot()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: its failure keeps the case's figures
+        return {"error": error_record(e, limit=2)}
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
+    own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    sizes: dict[int, int] = {}
+    for seg in snapshot:
+        for b in seg.get("blocks", []):
+            if b.get("state") == "active_allocated" and b.get("address") not in own:
+                key = int(b.get("requested_size") or b["size"])
+                sizes[key] = sizes.get(key, 0) + 1
+    top = sorted(sizes.items(), key=lambda kv: -kv[0])[:limit]
+    return {"total_bytes": sum(k * n for k, n in sizes.items()), "n_blocks": sum(sizes.values()),
+            "sizes": [[k, n] for k, n in top]}
 
 
 # --------------------------------------------------------------------------- headline cases
@@ -584,15 +610,20 @@ def case_eager_mask(check: Check) -> dict:
 
 
 def case_optsched(share: float | None, offload: bool | None = None, executor: str | None = "eager",
-                  profile: bool = False, role: str | None = None, of: str = "eager") -> Callable[[Check], dict]:
+                  profile: bool = False, role: str | None = None, of: str = "eager",
+                  roofline: bool = False) -> Callable[[Check], dict]:
     """optsched at `share` of the measured peak of case `of` (eager's by default). Executor "eager" (the same
     kernels as eager, so peak and time differ by the plan alone) unless another is asked for; None is optsched's
-    default (Inductor on CUDA where Triton imports)."""
+    default (Inductor on CUDA where Triton imports). `roofline`: op times from the device's profile (its
+    roofline) instead of measured on the device (the default)."""
     def run(check: Check) -> dict:
         import optsched
+        from optsched.costs.profiles import get_profile
 
         budget = _budget(check, share, of)
-        opt = optsched.optimize(check.model, budget, time_limit_s=check.args.time_limit, offload=offload, executor=executor)
+        prof = get_profile(None, check.device).name if roofline else None
+        opt = optsched.optimize(check.model, budget, time_limit_s=check.args.time_limit, offload=offload, executor=executor,
+                                device_profile=prof)
         row = measure_case(check, loss_call(opt), opt=opt, budget_bytes=budget, profile=profile)
         row.update(share_of_eager=share if of == "eager" else None, share_of=of, offload=offload,
                    executor_asked=executor, role=role)
@@ -661,6 +692,7 @@ def headline_cases(check: Check) -> tuple[list[Case], list[Case]]:
              plan_s + 5),
         Case("optsched at checkpointing's peak", "optsched", case_optsched(1.0, of="full checkpointing",
                                                                            role="at_checkpointing"), plan_s),
+        Case("optsched 60% roofline", "optsched", case_optsched(0.6, roofline=True, role="roofline"), plan_s),
     ]
     ib = check.args.inductor_budget
     later = [Case(f"optsched {ib:.0%} inductor", "optsched", case_optsched(ib, executor="inductor"), plan_s + 60,

@@ -52,3 +52,19 @@ def test_timers_wait_for_cuda_kernels_only_where_cuda_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert measure.device_sync() is torch.cuda.synchronize
+
+
+def test_op_times_are_measured_on_cuda_by_default_and_a_named_profile_is_the_roofline(monkeypatch):
+    """On an H200 the roofline put a Llama step at 0.56x of what ran: the default measures op times on a GPU
+    as on the CPU (the timers wait for the kernels); naming a profile still plans with its roofline."""
+    from optsched.budget import parse_budget
+    from optsched.planner import Target
+    from optsched.settings import PlanningSettings
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    default = Target.for_device(PlanningSettings(parse_budget(None), executor="eager"), cuda)
+    assert default.measure and default.profile.name.lower() == "h200"
+    named = Target.for_device(PlanningSettings(parse_budget(None), "h100", executor="eager"), cuda)
+    assert not named.measure and named.profile.name.lower() == "h100"
+    assert Target.for_device(PlanningSettings(parse_budget(None)), torch.device("cpu")).measure

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import warnings
 import weakref
@@ -139,8 +140,9 @@ class Target:
     def for_device(cls, settings: PlanningSettings, device: torch.device) -> Target:
         """The target of a program captured on `device` (torch.compile)."""
         wants = settings.device_profile
-        # default on CPU: measure op times on this machine; a named profile means the roofline
-        measure = wants == "measured" or (wants is None and device.type == "cpu")
+        # default: measure op times on the device at hand (on an H200 the roofline put a Llama step at 0.56x of
+        # what ran); a named profile means the roofline
+        measure = wants == "measured" or (wants is None and device.type in ("cpu", "cuda"))
         profile = get_profile(None if wants == "measured" else wants, device)
         return cls(
             device, measure, profile, default_offload(settings.offload, device.type),
@@ -251,6 +253,8 @@ class Planner:
                 usage = OutputUsage.parse(recorded)  # our guess, against what the file's run saw the caller do
             if mismatch is None and (usage.describe() if usage is not None else None) == recorded:
                 t = self.target
+                if (executor := self._file_executor(pf)) is not None:  # the executor that formed the file's groups
+                    t.executor = get_executor(executor, t.device)
                 chunks = pf.data.get("summary", {}).get("chunks") or {}
                 if any(k > 1 for k in chunks.values()):  # the plan was made for the chunked graph: make it again
                     chunk(gm, chunks)
@@ -844,6 +848,8 @@ class Planner:
         lends the same bytes (then `_lent` is set, for `_record_budget`); otherwise the program is planned
         again, with no PlanMismatchError: what differs is the loop's history, not the settings."""
         wanted = self.made_for(name)
+        if (executor := self._file_executor(pf)) is not None:
+            wanted["executor"] = executor
         made = pf.data["made_for"]
         if made.get("budget_from") == FIRST_MICRO_BATCH and self.resolution.is_percentage:
             # an accumulation step's bytes came from the first micro-batch's plan (replayed from its own file)
@@ -862,6 +868,16 @@ class Planner:
             self._lent = dict(made.get("budget_reference") or {})
         return mismatch, True
 
+    def _file_executor(self, pf: PlanFile) -> str | None:
+        """The executor `pf` was made with, where it may replace this target's: the caller named none (the default
+        is this device's pick, not a setting: a plan made elsewhere, as plan_offline's "eager" for a GPU whose
+        default is Inductor, is replayed, not refused) and it runs here. None otherwise: an executor the caller
+        named, or one that cannot run here, is compared as it is (a mismatch)."""
+        name, t = pf.data["made_for"].get("executor"), self.target
+        if self.settings.executor is not None or name == t.executor.name or not _runs_on(name, t.device):
+            return None
+        return name
+
     def _record_budget(self, plan: Plan, fp: dict, items: list | None) -> None:
         """How the budget was resolved, on the plan; a training program records a percentage's bytes for
         it (the percentage of its unplanned peak, not a cap the plan itself applied): the bytes the
@@ -873,6 +889,20 @@ class Planner:
             plan.stats.notes.append(self._lent_note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _runs_on(executor: object, device: torch.device) -> bool:
+    """Whether `executor` (a plan file's name for it) can run fusion groups on `device`, as `get_executor`'s
+    default finds out: eager anywhere, Inductor where Triton imports on CUDA, nvFuser where it loads on CUDA."""
+    if executor == "eager":
+        return True
+    if executor == "inductor":
+        return device.type != "cuda" or importlib.util.find_spec("triton") is not None
+    if executor == "nvfuser":
+        from .executors.nvfuser import nvfuser_available
+
+        return device.type == "cuda" and nvfuser_available()
+    return False
 
 
 def time_limit(asked: float | None, ops: int) -> float:

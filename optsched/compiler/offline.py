@@ -16,7 +16,9 @@ not enter the fingerprint (optsched.capture.fingerprint), and `scaled_dot_produc
 whose kernel depends on the device, calls the CUDA kernel the profile's GPU is predicted to pick
 (`predict_sdpa_backend`: cuDNN, flash, memory-efficient or math attention) instead of the CPU one.
 The prediction follows PyTorch's dispatch rules; if the GPU picks otherwise, `optimize` refuses
-the plan file with a fingerprint mismatch naming the attention node, never runs it.
+the plan file with a fingerprint mismatch naming the attention node, never runs it. The normalizations
+whose fake kernels branch on the device (LayerNorm's and BatchNorm's saved statistics: the input's
+dtype on CPU, float32 on CUDA for fp16/bf16) get the CUDA outputs after the capture (`cuda_outputs`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ..executors import NAMES as EXECUTORS
 from ..capture.joint_graph import build_joint_graph
 from ..plans.plan import Plan
 from ..costs.sdpa_prediction import CudaAttention
+from .cuda_outputs import as_captured_on_cuda
 
 __all__ = ["OfflineBackend", "capture_offline", "default_dtype", "plan_offline"]
 
@@ -167,7 +170,7 @@ class OfflineBackend(PlanningBackend):
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         """Plan the training step; return AOTAutograd's default partition, never run."""
-        self._captured()
+        self._captured(joint)
         prepare_training(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
         self.planner.plan(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
@@ -182,14 +185,18 @@ class OfflineBackend(PlanningBackend):
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs):
         """Plan the forward-only program; nothing to run."""
-        self._captured()
+        self._captured(gm)
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
         self.planner.plan(gm, jg, "forward")
         self._done()
         return _not_lowered
 
-    def _captured(self) -> None:
+    def _captured(self, gm: fx.GraphModule) -> None:
+        """The capture is done: on a CUDA profile, its normalizations' statistics as a CUDA capture has them
+        (`cuda_outputs`: the CPU fake kernels give them the input's dtype, CUDA float32)."""
+        if self.target.profile.device_type == "cuda":
+            as_captured_on_cuda(gm)
         self.timings["capture_s"] = time.perf_counter() - self.timings.get("start", time.perf_counter())
         self._planning_started = time.perf_counter()
 
@@ -404,7 +411,8 @@ def plan_offline(
     kernel: nested tensors, enable_gqa with fewer key/value heads, and SDPA called inside another
     overridable torch function (nn.MultiheadAttention). With "cpu" the graph is the CPU capture's.
     executor: "eager" (default), "inductor" or "nvfuser": whose fusion rules form fusion groups
-    (nothing is compiled; a group's time is its roofline).
+    (nothing is compiled; a group's time is its roofline). `optimize(..., plan=path)` with no executor
+    named replays the file with this one where it runs (not the device's default: Inductor or nvFuser on CUDA).
     offload: None (default) allows offloading when the profile is a CUDA device.
     host_budget: host memory offloads may take (default: half of this machine's memory).
     timings: a dict to fill with wall times: capture_s (building the fake module and inputs,

@@ -832,10 +832,12 @@ def gpu_table(d: dict) -> str:
         f"{env.get('device')} ({(env.get('device_memory_bytes') or 0) / 2**30:.0f} GiB), torch {env.get('torch')}, "
         f"CUDA {env.get('cuda_runtime')}, cuDNN {env.get('cudnn')}, Triton {env.get('triton')}, transformers "
         f"{env.get('transformers')}. {model.get('describe', '')}, {model.get('params', 0) / 1e6:.0f}M parameters; "
-        f"labels given; eager kernels in every row but the last two. Budgets are shares of eager's measured peak.",
+        f"labels given. Rows run eager kernels unless they name Inductor. Budgets are shares of eager's measured peak; "
+        f"a predicted step is optsched's estimate, from op times measured on the GPU or the profile's roofline.",
         "",
-        "| case | budget | predicted | measured | fits | step | vs eager | grads (max rel. vs eager) | plan s | solver |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | budget | predicted | measured | fits | step | predicted step | vs eager | grads (max rel. vs eager) "
+        "| plan s | solver |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def gib(b):
@@ -845,15 +847,16 @@ def gpu_table(d: dict) -> str:
         if r.get("status") != "ok":
             why = r.get("reason") or (r.get("error") or {}).get("message", "")
             lines.append(f"| {r.get('name')} | {gib(r.get('budget_bytes'))} | {r.get('status')}: "
-                         f"{why.splitlines()[0][:200] if why else ''} | | | | | | | |")
+                         f"{why.splitlines()[0][:200] if why else ''} | | | | | | | | |")
             continue
         fits = "" if r.get("within_budget") is None else ("yes" if r["within_budget"] else "**NO**")
         pred = r.get("predicted_peak_bytes")
         diff = "" if pred is None else f" ({(r['measured_peak_bytes'] - pred) / 2**20:+.1f} MiB)"
         plan_s = "" if r.get("plan_s") is None else f"{r['plan_s']:.1f}"
+        est = "" if r.get("estimated_time_s") is None else f"{r['estimated_time_s'] * 1e3:.0f} ms ({r.get('timing')})"
         lines.append(
             f"| {r['name']} | {gib(r.get('budget_bytes'))} | {gib(pred)} | {gib(r['measured_peak_bytes'])}{diff} | {fits} "
-            f"| {r['step_s'] * 1e3:.0f} ms | {r.get('time_vs_eager', 0):.2f}x | {r.get('grad_max_rel_err', 0):.1e} "
+            f"| {r['step_s'] * 1e3:.0f} ms | {est} | {r.get('time_vs_eager', 0):.2f}x | {r.get('grad_max_rel_err', 0):.1e} "
             f"| {plan_s} | {r.get('solver_status') or ''} |")
     if eager:
         lines += ["", f"Eager's own gradients, step to step, differ by {eager.get('grad_max_rel_err', 0):.1e} (bf16 "
@@ -960,6 +963,7 @@ TABLES = {
     "chunking": ("chunking.json", chunking_table),
     "fsdp": ("fsdp_offline.json", fsdp_table),
     "gpu": ("gpu_check.json", gpu_table),
+    "gpu_rerun": ("gpu_check_rerun.json", gpu_table),
     "durations": (None, durations_table),
 }
 # the files the tables are rendered into

@@ -561,6 +561,60 @@ def foreign_blocks(model, ids, limit: int = 24) -> dict:
             "sizes": [[k, n] for k, n in top]}
 
 
+def live_at_peak(events: list[dict], limit: int = 40) -> dict:
+    """From the caching allocator's trace of one step (`torch.cuda.memory._snapshot()["device_traces"]`: alloc /
+    free_completed events with addr, size and frames), the allocations live when the step's own allocations
+    peaked, grouped by where they were made (the innermost frames outside torch's own files): what the
+    plan's simulation is checked against when a measured peak is above its prediction."""
+    live: dict[int, dict] = {}
+    cur = peak = 0
+    at = -1
+    for i, e in enumerate(events):
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+            cur += e["size"]
+        elif e.get("action") == "free_completed" and e.get("addr") in live:
+            cur -= live.pop(e["addr"])["size"]
+        if cur > peak:
+            peak, at = cur, i
+    live = {}
+    for e in events[: at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") == "free_completed":
+            live.pop(e.get("addr"), None)
+    groups: dict[str, list[int]] = {}
+    for e in live.values():
+        groups.setdefault(_where(e.get("frames") or []), []).append(e["size"])
+    top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    return {"peak_rise_bytes": peak, "n_live": len(live), "n_events": len(events),
+            "groups": [{"where": w, "bytes": sum(v), "n": len(v), "sizes": sorted(v, reverse=True)[:8]} for w, v in top]}
+
+
+def _where(frames: list[dict], depth: int = 3) -> str:
+    """The innermost `depth` frames that are not torch's own (the op a plan names is the graph line calling it)."""
+    own = [f for f in frames if "/torch/" not in str(f.get("filename", "")) or "_dynamo" in str(f.get("filename", ""))]
+    pick = (own or frames)[:depth]
+    return " < ".join(f"{Path(str(f.get('filename', '?'))).name}:{f.get('line', '?')} {f.get('name', '?')}" for f in pick)
+
+
+def trace_step(run: Callable[[], None], device) -> dict:
+    """One step of `run` with the allocator's history recorded (Python frames): `live_at_peak` of it."""
+    import torch
+
+    _sync(device)
+    torch.cuda.memory._record_memory_history(max_entries=500_000)
+    try:
+        run()
+        _sync(device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snap.get("device_traces") or []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return live_at_peak(traces[index] if index < len(traces) else [])
+
+
 # --------------------------------------------------------------------------- headline cases
 
 def _budget(check: Check, share: float | None, of: str = "eager") -> int | None:
@@ -611,7 +665,7 @@ def case_eager_mask(check: Check) -> dict:
 
 def case_optsched(share: float | None, offload: bool | None = None, executor: str | None = "eager",
                   profile: bool = False, role: str | None = None, of: str = "eager",
-                  roofline: bool = False) -> Callable[[Check], dict]:
+                  roofline: bool = False, trace: bool = False) -> Callable[[Check], dict]:
     """optsched at `share` of the measured peak of case `of` (eager's by default). Executor "eager" (the same
     kernels as eager, so peak and time differ by the plan alone) unless another is asked for; None is optsched's
     default (Inductor on CUDA where Triton imports). `roofline`: op times from the device's profile (its
@@ -627,6 +681,11 @@ def case_optsched(share: float | None, offload: bool | None = None, executor: st
         row = measure_case(check, loss_call(opt), opt=opt, budget_bytes=budget, profile=profile)
         row.update(share_of_eager=share if of == "eager" else None, share_of=of, offload=offload,
                    executor_asked=executor, role=role)
+        if trace and check.cuda:  # where a measured peak above the prediction comes from
+            try:
+                row["peak_trace"] = trace_step(train_step(loss_call(opt), check.model, check.ids), check.device)
+            except Exception as e:  # noqa: BLE001 - a diagnostic: its failure keeps the case's figures
+                row["peak_trace"] = {"error": error_record(e, limit=4)}
         return row
 
     return run
@@ -686,7 +745,7 @@ def headline_cases(check: Check) -> tuple[list[Case], list[Case]]:
         *[Case(f"torch.compile amb={k:g}", "mincut", case_mincut(k, mb), 75 if mb == "inductor" else 25)
           for k in MINCUT_KNOBS],
         Case("optsched none", "optsched", case_optsched(None), plan_s),
-        Case("optsched 60%", "optsched", case_optsched(0.6), plan_s),
+        Case("optsched 60%", "optsched", case_optsched(0.6, trace=True), plan_s + 5),
         Case(f"optsched {low:.0%} offload", "optsched", case_optsched(low, True, profile=True, role="offload"), plan_s + 5),
         Case(f"optsched {low:.0%} recompute-only", "optsched", case_optsched(low, False, profile=True, role="recompute_only"),
              plan_s + 5),

@@ -477,3 +477,21 @@ def test_the_automatic_batch_fills_the_share_of_the_device(tmp_path, monkeypatch
     assert how["predicted_eager_peak_bytes"] == fixed + batch * per
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=2**40))
     assert gc.choose_batch(check, model)[0] == args.max_batch  # a huge device: the ceiling
+
+
+def test_live_at_peak_groups_the_step_allocations_live_at_its_peak():
+    """The trace diagnostic: the allocations live when the step's own allocations peak, by where they were made."""
+    f = lambda name, line: [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "inner"},  # noqa: E731
+                            {"filename": f"/u/{name}.py", "line": line, "name": name}]
+    ev = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": f("fwd", 10)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": f("fwd", 10)},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 300, "frames": f("bwd", 20)},  # peak: 50 + 300
+        {"action": "free_completed", "addr": 3, "size": 300},
+        {"action": "alloc", "addr": 4, "size": 200, "frames": f("bwd", 21)},
+    ]
+    r = gc.live_at_peak(ev)
+    assert r["peak_rise_bytes"] == 350 and r["n_live"] == 2 and r["n_events"] == 7
+    assert [(g["where"], g["bytes"]) for g in r["groups"]] == [("bwd.py:20 bwd", 300), ("fwd.py:10 fwd", 50)]

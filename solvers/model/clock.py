@@ -31,7 +31,6 @@ SIMULATED_STEP_S = 1e-5 * IN_PLANNER  # work charged per step the simulator repl
 CPSAT_UNIT_S = 2.5 * IN_PLANNER
 CPSAT_CONSTRAINT_S = 3e-5 * IN_PLANNER  # charged per constraint of each CP-SAT model solved: loading and presolve, which its
 # deterministic time leaves out (fit on the same solves: about 2-4e-5 s per constraint term)
-BOUND_PER_OP2_S = 4e-6 * IN_PLANNER  # charged per op squared for the peak lower bound's min cuts (3-5e-6 measured)
 DETERMINISTIC_WORKERS = 1  # CP-SAT workers in deterministic mode: one (interleaved workers were 5-10x slower per solve)
 
 

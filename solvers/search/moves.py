@@ -104,6 +104,10 @@ def relaxation(ctx: Context, inc: Incumbent, deadline: float) -> None:
     starts.relaxation_and_repair(ctx.problem, inc, max(MIN_SLICE_S, _left(deadline)), ctx.workers, ctx.line)
 
 
+def block_checkpointing(ctx: Context, inc: Incumbent, _deadline: float) -> None:
+    starts.block_checkpointing(ctx.problem, inc, ctx.blocks)
+
+
 def reorder_windows(ctx: Context, inc: Incumbent, deadline: float) -> None:
     """Small graphs: reorder, then decide recomputation again for the new order; large ones: reorder only
     (it keeps the time, so it gets half its slice once a plan fits)."""
@@ -181,6 +185,8 @@ FORWARD_ORDER = Move("forward order", lambda c: not c.training, forward_order, a
 EARLY_SEGMENTS = Move("segment search from the program", lambda c: c.training and c.small and c.tight, early_segments)
 INTERVAL_MODEL = Move("interval model", lambda c: c.training and c.small, interval_model, always=True)
 RELAXATION = Move("relaxation + repair", lambda c: c.training and not c.small, relaxation, always=True)
+BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.budget is not None
+                           and bool(c.blocks.blocks), block_checkpointing, always=True)
 REORDER = Move("reorder windows", lambda c: c.training, reorder_windows)
 OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder)
 SEGMENTS = Move("segment search", lambda c: c.training and c.budget is not None, segment_search)

@@ -81,6 +81,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.EARLY_SEGMENTS, 0.45),  # tight budgets, small graphs: the segment search from the program first
     (moves.INTERVAL_MODEL, 0.15),  # small training graphs: save/recompute per fixed order
     (moves.RELAXATION, 0.35),  # large training graphs: relaxation + repair
+    (moves.BLOCK_CHECKPOINTING, 0.0),  # repeated blocks: each recomputed from its input (one simulation)
     (moves.REORDER, 0.25),  # reorder around the peak (small graphs: recomputation decided again)
     (moves.OFFLOAD, 0.15),  # offloading allowed: the greedy ladder
     (moves.SEGMENTS, 0.35),  # budgeted training: replan segments, copied to repeated blocks
@@ -157,8 +158,7 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
            hint: Schedule | None) -> Solution:
     wall0, t0 = time.perf_counter(), clock.now()
     baseline = simulate(problem, default_schedule(problem))
-    lower = lower_bound_peak(problem)
-    clock.charge(clock.BOUND_PER_OP2_S * len(problem.ops) ** 2)  # its min cuts: work too
+    lower = lower_bound_peak(problem, charge=True)  # its work counted: T includes the bound
     if budget is not None and budget < lower:  # proven: no search can find a plan, so none runs
         raise BudgetInfeasibleError(budget, baseline.peak_bytes, lower, default_schedule(problem),
                                     elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s, searched=False)

@@ -551,14 +551,20 @@ def foreign_blocks(model, ids, limit: int = 24) -> dict:
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
     own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     sizes: dict[int, int] = {}
+    own_block = own_requested = 0
     for seg in snapshot:
         for b in seg.get("blocks", []):
-            if b.get("state") == "active_allocated" and b.get("address") not in own:
-                key = int(b.get("requested_size") or b["size"])
-                sizes[key] = sizes.get(key, 0) + 1
+            if b.get("state") != "active_allocated":
+                continue
+            if b.get("address") in own:  # what the allocator counts for them against what was asked
+                own_block += int(b["size"])
+                own_requested += int(b.get("requested_size") or b["size"])
+                continue
+            key = int(b.get("requested_size") or b["size"])
+            sizes[key] = sizes.get(key, 0) + 1
     top = sorted(sizes.items(), key=lambda kv: -kv[0])[:limit]
     return {"total_bytes": sum(k * n for k, n in sizes.items()), "n_blocks": sum(sizes.values()),
-            "sizes": [[k, n] for k, n in top]}
+            "sizes": [[k, n] for k, n in top], "own_block_bytes": own_block, "own_requested_bytes": own_requested}
 
 
 def live_at_peak(events: list[dict], limit: int = 40) -> dict:

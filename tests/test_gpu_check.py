@@ -272,7 +272,8 @@ def test_foreign_blocks_are_what_the_model_and_batch_do_not_hold(monkeypatch):
                {"address": 4, "size": 2**20, "state": "inactive"}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"blocks": blocks}])
     f = gc.foreign_blocks(model, ids)
-    assert f == {"total_bytes": 2 * 2**25 + 1000, "n_blocks": 3, "sizes": [[2**25, 2], [1000, 1]]}
+    assert f == {"total_bytes": 2 * 2**25 + 1000, "n_blocks": 3, "sizes": [[2**25, 2], [1000, 1]],
+                 "own_block_bytes": 4 * 512, "own_requested_bytes": 4 * 512}
 
     def broken():
         raise RuntimeError("no snapshot")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
+from ._torch import SUPPORTED_NODES, BackendCompilerFailed, dynamo_config, dynamo_reset_code, tree_flatten
 from .compiler.backend import PlanningBackend
 from .budget import BudgetResolution, auto_device, parse_budget, parse_planning_options
 from .attribute_sync import AttributeSync
@@ -71,7 +71,7 @@ def _scalars_unspecialized(compiled: Callable) -> Callable:
     @functools.wraps(compiled)
     def call(*args, **kwargs):
         # profile-guided dynamism off: what another process saw must not make this program's sizes dynamic
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, automatic_dynamic_local_pgo=False):
+        with dynamo_config.patch(allow_unspec_int_on_nn_module=True, automatic_dynamic_local_pgo=False):
             return compiled(*args, **kwargs)
 
     return call
@@ -86,7 +86,7 @@ def _unwrap_errors(compiled: Callable, eager: Callable | None = None) -> Callabl
     def call(*args, **kwargs):
         try:
             return compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (BudgetInfeasibleError, ValueError, OffloadDeviceError)):  # plan file errors too
                 raise inner from None
@@ -225,7 +225,7 @@ class Dispatcher:
         # Dynamo's cache on the code object refers back to the code (a cycle the garbage collector cannot see
         # through): emptied when the entry goes (dropped, or its module gone), or no program would ever be
         # freed. A backward still to run holds what it needs itself.
-        weakref.finalize(entry, torch._dynamo.reset_code, fn.__code__).atexit = False
+        weakref.finalize(entry, dynamo_reset_code, fn.__code__).atexit = False
         self.entries[key] = entry
         while len(self.entries) > SHAPE_CACHE_SIZE:
             (base, _usage), _dropped = self.entries.popitem(last=False)

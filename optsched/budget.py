@@ -176,7 +176,7 @@ def step_tensors(module, args: tuple, kwargs: dict) -> list:
     the tensors (and modules' parameters and buffers) among the call's arguments, with the gradients they
     already have (an accumulation step is planned with them live: api.grads_at_start)."""
     import torch
-    from torch.utils._pytree import tree_leaves
+    from ._torch import tree_leaves
 
     out: list = []
     for leaf in ([module] if module is not None else []) + tree_leaves((args, kwargs)):

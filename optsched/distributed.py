@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import api
+from ._torch import tree_leaves
 from .budget import parse_budget
 from .costs.measure import measure_peak
 from .plans.plan import Plan
@@ -342,7 +343,7 @@ class _PassThrough(torch.autograd.Function):
 def _loss_of(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out if out.dim() == 0 else out.float().sum()
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     return sum(t.float().sum() for t in leaves)
 
 
@@ -623,7 +624,7 @@ def _plan_as_used(opt, block: torch.nn.Module, args: tuple, kwargs: dict) -> Pla
     with torch.random.fork_rng():
         for _round in range(2):
             out = opt(*args, **kwargs)
-            leaves = [t.view_as(t) for t in torch.utils._pytree.tree_leaves(out)
+            leaves = [t.view_as(t) for t in tree_leaves(out)
                       if isinstance(t, torch.Tensor) and t.requires_grad]
             del out
             torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])

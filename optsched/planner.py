@@ -797,8 +797,8 @@ class Planner:
                 try:
                     budget_bytes, sol = solve_at(budget_bytes)
                     self._held_outputs = self._hold_if_fits[1]
-                except BudgetInfeasibleError:
-                    problem, holding, limit = dropped, None, whole / 2
+                except BudgetInfeasibleError:  # the dropped plan gets what the try left (at least half)
+                    problem, holding, limit = dropped, None, max(whole / 2, whole - (clock.now() - start))
             if holding is None:
                 try:
                     budget_bytes, sol = solve_at(budget_bytes)

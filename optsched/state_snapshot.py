@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch.utils._pytree import tree_leaves
+
+from ._torch import tree_leaves
 
 _PLAIN = (int, float, bool, str, bytes, type(None), torch.Tensor)
 _MISSING = object()

@@ -93,7 +93,8 @@ def test_embedding_max_norm_at_a_budget_trains_as_eager():
     # inplace operation"), and it would have read the new weight
     torch.manual_seed(0)
     model = _RenormedTiedEmbedding()
-    optimized = optsched.optimize(model, "95%", time_limit_s=2)
+    # the roofline's op costs: the same plan on every machine (measured costs made it fail on a slower one)
+    optimized = optsched.optimize(model, "95%", time_limit_s=2, device_profile="cpu")
     _train_as_eager(model, optimized, [(torch.randint(0, 512, (4, 8)),) for _ in range(3)])
     assert optimized.plan.summary()["n_recomputed"] > 0  # the budget needed recomputation
 

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+from .._torch import aot_autograd, default_partition, dynamo_reset, functorch_config, min_cut_rematerialization_partition
 from ..capture.joint_graph import JointGraph, build_joint_graph
 from ..capture.output_usage import default_usage, tangent_outputs
 from ..costs.problem_builder import Built, build_problem, reuse_candidates
@@ -104,13 +103,13 @@ def capture_training_step(
         return gm
 
     backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
-    torch._dynamo.reset()
+    dynamo_reset()
     try:
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         with torch.enable_grad():
             compiled(*inputs)
     finally:
-        torch._dynamo.reset()
+        dynamo_reset()
     if "step" not in captured:
         raise RuntimeError("no training graph was captured: does some parameter or input require grad?")
     step = captured["step"]
@@ -126,7 +125,7 @@ def torch_partition(step: CapturedStep, activation_memory_budget: float, compile
     """torch's min-cut partition of a fresh copy of the step's joint graph at `activation_memory_budget`.
     `compiler`: the partitioner's op lists ("inductor", torch.compile's default)."""
     joint = copy.deepcopy(step.joint)
-    with torch._functorch.config.patch(activation_memory_budget=float(activation_memory_budget)):
+    with functorch_config.patch(activation_memory_budget=float(activation_memory_budget)):
         return min_cut_rematerialization_partition(
             joint, None, compiler, num_fwd_outputs=step.num_fwd_outputs, **step.partition_kwargs
         )

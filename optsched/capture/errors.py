@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
+
+from .._torch import DYNAMO_METRICS_LOGGER, BatchNormBase, tree_leaves
 
 
 class CaptureError(RuntimeError):
@@ -90,7 +91,7 @@ def _unsortable_config_error(record: logging.LogRecord) -> bool:
     return not (isinstance(exc, TypeError) and str(exc).startswith("'<' not supported between instances of"))
 
 
-logging.getLogger("torch._dynamo.metrics_context").addFilter(_unsortable_config_error)  # idempotent: a set
+logging.getLogger(DYNAMO_METRICS_LOGGER).addFilter(_unsortable_config_error)  # idempotent: a set
 
 
 @contextlib.contextmanager
@@ -99,7 +100,9 @@ def logging_ignored():
     and the set is back as it was afterwards), and `logging.getLogger` evaluated while tracing (as
     `torch._dynamo.assume_constant_result` does, for this call only), so that
     `logging.getLogger(name).info(...)` in traced code reaches a logger whose methods are ignored."""
-    config = torch._dynamo.config  # set and restored directly: what config.patch does, at a quarter of its cost
+    from .._torch import dynamo_config as config
+
+    # set and restored directly: what config.patch does, at a quarter of its cost
     users = config.ignore_logging_functions
     marked = getattr(logging.getLogger, "_dynamo_marked_constant", None)
     config.ignore_logging_functions = users | ignored_logging_functions()
@@ -121,19 +124,20 @@ def capturing(compiled: Callable, eager: Callable | None = None) -> Callable:
     (`raise ValueError("bad input")` in forward: Dynamo reports an "Observed exception", not the exception),
     the call is run as written instead, so the user's exception reaches the caller as itself (type, message,
     traceback), as it would without optsched; should it not raise when run, the CaptureError stands."""
+    from .._torch import BackendCompilerFailed, Unsupported, UserError
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
         try:
             with logging_ignored():
                 return compiled(*args, **kwargs)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        except (Unsupported, UserError) as e:
             root = getattr(eager, "__self__", None)  # the module, when `eager` is its _call_impl
             error = from_dynamo(e, root if isinstance(root, torch.nn.Module) else None)
             error.__cause__ = e
             if eager is None or user_exception_type(e) is None:
                 raise error from e
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, CaptureError):  # raised by check_static_sizes in our backend
                 raise inner from None
@@ -148,10 +152,11 @@ def capturing(compiled: Callable, eager: Callable | None = None) -> Callable:
 def user_exception_type(e: BaseException) -> type[BaseException] | None:
     """The type of the exception the user's code raised while Dynamo traced it, when `e` (a graph break) is
     Dynamo's report of one ("Observed exception": the code raised and nothing in the step caught it); else None."""
-    observed = getattr(torch._dynamo.exc, "ObservedException", None)
+    from .._torch import ObservedException as observed, observed_exception_map
+
     if observed is None or not str(getattr(e, "gb_type", "") or "").startswith("Observed exception"):
         return None
-    types_of = {v: k for k, v in getattr(torch._dynamo.exc, "observed_exception_map", {}).items()}
+    types_of = {v: k for k, v in (observed_exception_map or {}).items()}
     cause = e.__cause__
     while cause is not None and not isinstance(cause, observed):
         cause = cause.__cause__
@@ -204,6 +209,8 @@ def _reason(e: BaseException) -> str:
 
 def _classify(e: BaseException, line: str) -> tuple[str, str]:
     """(construct, fix) for a Dynamo exception raised at source line `line`."""
+    from .._torch import UserError
+
     gb = getattr(e, "gb_type", "") or ""
     text = str(e)
     if "`print`" in text or re.search(r"\bprint\s*\(", line):
@@ -216,7 +223,7 @@ def _classify(e: BaseException, line: str) -> tuple[str, str]:
         return ".numpy() (a tensor's values as a NumPy array)", _TO_PYTHON_FIX
     if gb == "Data-dependent branching":
         return f"a Python branch on a tensor's value (`{line}`)", _BRANCH_FIX
-    if isinstance(e, torch._dynamo.exc.UserError) and "data-dependent" in text:
+    if isinstance(e, UserError) and "data-dependent" in text:
         m = re.search(r"data-dependent expression (.+?) \(", text)
         expr = f" (Dynamo needs the value of {m.group(1)})" if m else ""
         if ".item()" in line:
@@ -246,7 +253,7 @@ def _cumulative_batchnorm(frames: list, root: torch.nn.Module | None) -> tuple[s
     if not frames or not frames[-1].filename.replace(os.sep, "/").endswith(_BATCHNORM_FILE):
         return None
     found = [(name, m) for name, m in (root.named_modules() if root is not None else ())
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.momentum is None
+             if isinstance(m, BatchNormBase) and m.momentum is None
              and m.training and m.track_running_stats]
     if root is not None and not found:
         return None

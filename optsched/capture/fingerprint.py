@@ -19,12 +19,13 @@ import json
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
+
+from .._torch import OpOverload, tree_leaves
 
 
 def _target(node: fx.Node) -> str:
     t = node.target
-    return str(t) if isinstance(t, (str, torch._ops.OpOverload)) else getattr(t, "__qualname__", repr(t))
+    return str(t) if isinstance(t, (str, OpOverload)) else getattr(t, "__qualname__", repr(t))
 
 
 def _meta(node: fx.Node) -> tuple[str, str, str]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 
+from .._torch import tree_leaves
 from ..solvers.model.problem import Phase, TensorKind
 
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+
+from .._torch import COMPILED_FUNCTION_BACKWARD, PLAIN_AOT_OUTPUT, tree_leaves
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int 
     for t in tangents:
         desc = t.meta.get("desc")
         idx = getattr(getattr(desc, "output", None), "idx", None)
-        out.append(idx if isinstance(idx, int) and type(desc.output).__name__ == "PlainAOTOutput" else None)
+        out.append(idx if isinstance(idx, int) and type(desc.output).__name__ == PLAIN_AOT_OUTPUT else None)
     return out
 
 
@@ -123,7 +124,7 @@ class UsageObserver:
                    if self.views[i] and not self.bound[i] and self.storages[i] is not None}
         if not pending:
             return
-        for t in pytree.tree_leaves(outputs):
+        for t in tree_leaves(outputs):
             if isinstance(t, torch.Tensor) and (i := pending.pop(t.untyped_storage().data_ptr(), None)) is not None:
                 self.refs[i], self.bound[i] = weakref.ref(t), True
 
@@ -213,7 +214,7 @@ def release_unused_grads(outputs) -> list:
     compiled function's autograd nodes it found."""
     seen: set[int] = set()
     found = []
-    for t in pytree.tree_leaves(outputs):
+    for t in tree_leaves(outputs):
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             continue
         stack = [t.grad_fn]
@@ -224,7 +225,7 @@ def release_unused_grads(outputs) -> list:
             if id(node) in seen:
                 break
             seen.add(id(node))
-            if type(node).__name__ == "CompiledFunctionBackward":
+            if type(node).__name__ == COMPILED_FUNCTION_BACKWARD:
                 node.set_materialize_grads(False)
                 found.append(node)
                 break

@@ -23,6 +23,8 @@ import warnings
 import torch
 import torch.fx as fx
 
+from .._torch import PLAIN_AOT_OUTPUT
+
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ def can_hand_over(joint: fx.GraphModule, n_fw_outputs: int, tangent_of: list[int
     if not isinstance(descs, (list, tuple)) or len(descs) < n_fw_outputs:
         return False
     for i, d in enumerate(descs[:n_fw_outputs]):
-        if type(d).__name__ != "PlainAOTOutput" or getattr(d, "idx", None) != i:
+        if type(d).__name__ != PLAIN_AOT_OUTPUT or getattr(d, "idx", None) != i:
             return False
     return bool(tangent_of) and all(i is not None for i in tangent_of)
 

@@ -14,9 +14,8 @@ from typing import Protocol
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .._torch import TracingContext, aot_autograd, unset_fake_temporarily
 from ..budget import BudgetResolution
 from ..costs.measure import device_of
 from ..lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
@@ -183,7 +182,7 @@ class PlanningBackend:
         """The planned forward, saying that this variant ran and telling the usage observer what the caller was handed."""
         # no donated buffers: our backward frees (and may write into) saved tensors itself, and refuses a kept graph
         # with its own error (lower.programs.KeptGraphError), which AOTAutograd's donated-buffer check would pre-empt
-        context = torch._guards.TracingContext.try_get()
+        context = TracingContext.try_get()
         if context is not None and context.fw_metadata is not None:
             context.fw_metadata.bw_donated_idxs = []
         return self._recording_runs(boxed(gm), self.observer)

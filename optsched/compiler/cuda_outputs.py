@@ -25,7 +25,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from .._torch import extract_tensor_metadata
 
 __all__ = ["as_captured_on_cuda"]
 
@@ -55,7 +56,7 @@ def _like(fake: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
 def _set_val(node: fx.Node, val) -> None:
     node.meta["val"] = val
     if "tensor_meta" in node.meta and isinstance(val, torch.Tensor):
-        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+        node.meta["tensor_meta"] = extract_tensor_metadata(val)
 
 
 def as_captured_on_cuda(gm: fx.GraphModule) -> int:

@@ -48,6 +48,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
+from .._torch import ALLOCATION_EVENT
+
 __all__ = ["PeakResult", "live_bytes", "measure_peak", "measure_ratio", "measure_time", "measure_training_step"]
 
 
@@ -180,7 +182,7 @@ def _measure_peak_profiler(fn: Callable[[], Any], device: torch.device) -> PeakR
     events = [
         (event.start_time_ns, event.extra_fields.alloc_size)
         for event in walk_events(prof.profiler.kineto_results.experimental_event_tree())
-        if type(event.extra_fields).__name__ == "_ExtraFields_Allocation"
+        if type(event.extra_fields).__name__ == ALLOCATION_EVENT
         and _same_device(event.extra_fields.device, device)
     ]
     events.sort(key=lambda e: e[0])  # stable, so equal timestamps keep tree order

@@ -113,7 +113,7 @@ def node_flops(node: fx.Node, *, quiet: bool = False) -> int:
     counts 0 too: logged once per op, counted in `FLOP_FORMULA_FAILURES` and, while a `Rejections` collector
     is open (the planner's), noted per op there (`FLOP_FAILURE_NOTE`); `quiet`: none of these (a guess that
     no plan uses, such as the order op timing goes in)."""
-    from torch.utils._pytree import tree_map
+    from .._torch import tree_map
     from torch.utils.flop_counter import flop_registry
 
     target = node.target
@@ -144,7 +144,7 @@ def node_flops(node: fx.Node, *, quiet: bool = False) -> int:
 def node_bytes(node: fx.Node) -> int:
     """Bytes read plus bytes written, at tensor (not storage) granularity."""
     import torch
-    from torch.utils._pytree import tree_leaves, tree_map
+    from .._torch import tree_leaves, tree_map
 
     read = sum(_nbytes(v) for v in tree_leaves(tree_map(_val, (node.args, node.kwargs))) if isinstance(v, torch.Tensor))
     written = sum(_nbytes(v) for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
@@ -154,7 +154,7 @@ def node_bytes(node: fx.Node) -> int:
 def node_time(node: fx.Node, profile: DeviceProfile, *, quiet: bool = False) -> float:
     """Roofline estimate for one unfused op (`quiet`: see `node_flops`)."""
     import torch
-    from torch.utils._pytree import tree_leaves
+    from .._torch import tree_leaves
 
     out = [v for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     half = bool(out) and out[0].dtype in (torch.float16, torch.bfloat16)

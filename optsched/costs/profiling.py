@@ -33,6 +33,7 @@ from torch.autograd.profiler import record_function
 from .profiles import NodeCosts, get_profile, node_time, random_like
 from .measure import device_sync, memory_profile, walk_events
 from ..passes.op_variants import inplace_foreach, out_variant
+from .._torch import ALLOCATION_EVENT
 
 _OP = "optsched::"
 _OUT = "optsched_out::"
@@ -51,7 +52,7 @@ def profile_nodes(
     Identical ops (`op_key`: a transformer's layers) run once, their measurements shared, the heaviest
     first. Once `time_limit_s` (wall seconds) has passed, the ops not yet timed keep the roofline's time
     (`NodeCosts.estimated`); their scratch space is still measured (one run each): a plan must hold it."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from .._torch import profiler_enabled, unset_fake_temporarily
 
     groups = _heaviest_first(identical_ops(gm), device)
     times: dict[str, float] = {}
@@ -59,7 +60,7 @@ def profile_nodes(
     with unset_fake_temporarily(), torch.no_grad():
         inputs = _OpInputs(gm, device, real_inputs or {})
         timed, left = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured)
-        if torch.autograd._profiler_enabled():
+        if profiler_enabled():
             # planning inside someone's profiling session (a measured first call): a profiler of our own would
             # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
             return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured,
@@ -302,7 +303,7 @@ def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[di
         allocs = sorted(
             (e.start_time_ns, e.extra_fields.alloc_size)
             for e in walk_events(event.children)
-            if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"
+            if type(e.extra_fields).__name__ == ALLOCATION_EVENT
         )
         running = peak = 0
         for _, size in allocs:

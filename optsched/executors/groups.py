@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_leaves
 
+from .._torch import tree_leaves, unset_fake_temporarily
 from ..costs.profiles import DeviceProfile, node_flops, random_like
 from .base import Executor
 from ..capture.fingerprint import fingerprint

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .._torch import FakeTensor, FakeTensorMode, FunctionalTensor, OpOverload, TracingContext, disable_current_modes, tracing
 from ..capture.fingerprint import structure_hash
 
 log = logging.getLogger(__name__)
@@ -37,14 +35,14 @@ def _tensor_out(node: fx.Node) -> bool:
 def is_pointwise_write(target) -> bool:
     """An `out=` form of a pointwise op (how a folded copy-back writes a new value into an input)."""
     return (
-        isinstance(target, torch._ops.OpOverload)
+        isinstance(target, OpOverload)
         and _is_out_variant(target)
         and torch.Tag.pointwise in target.tags
         and not target.overloadpacket.__name__.startswith("_foreach")
     )
 
 
-def _is_out_variant(target: torch._ops.OpOverload) -> bool:
+def _is_out_variant(target: OpOverload) -> bool:
     """torch 2.13 tags `out=` overloads (`Tag.out`); torch 2.11 has no such tag, so its schema says it: an
     argument written as the op's output."""
     out_tag = getattr(torch.Tag, "out", None)
@@ -101,7 +99,7 @@ class InductorExecutor:
         """Pointwise ops, casts and plain reductions with one tensor output, and pointwise `out=`
         writes; nothing random and no other mutation."""
         target = node.target
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, OpOverload):
             return False
         if target._schema.is_mutable and not is_pointwise_write(target):
             return False
@@ -124,7 +122,7 @@ class InductorExecutor:
             if kernel is None:
                 if any(isinstance(x, _TRACED) for x in xs):  # traced, not run: the ops themselves
                     return tuple(gm(*xs))
-                with _disable_current_modes():
+                with disable_current_modes():
                     kernel = by_layout[layout] = self._kernel_run(gm, xs)
             return kernel(*xs)
 
@@ -141,6 +139,8 @@ class InductorExecutor:
         return kernel.run
 
     def _compile(self, gm: fx.GraphModule, example: Sequence[torch.Tensor]) -> _Kernel:
+        from .._torch import functorch_config, inductor_compile, inductor_config  # Inductor loads here, at the first group
+
         self.compilations += 1
         try:
             fakes, mode = _symbolic_inputs(example)
@@ -149,11 +149,11 @@ class InductorExecutor:
             # put the cached kernel's shape guards into this shape env, and `accepts` needs them
             # all (32-bit indexing, reduction strategies)
             with (
-                torch._guards.tracing(torch._guards.TracingContext(mode)),
-                torch._inductor.config.patch(fx_graph_cache=False),
-                torch._functorch.config.patch(enable_autograd_cache=False),
+                tracing(TracingContext(mode)),
+                inductor_config.patch(fx_graph_cache=False),
+                functorch_config.patch(enable_autograd_cache=False),
             ):
-                compiled = torch._inductor.compile(gm, fakes)
+                compiled = inductor_compile(gm, fakes)
             kernel = _Kernel(_as_tuple(compiled), fakes, mode.shape_env)
             if kernel.accepts(example):
                 return kernel
@@ -164,8 +164,8 @@ class InductorExecutor:
         log.info("inductor executor: a group of %d nodes gets a kernel for its exact shapes only (%s)",
                  len(gm.graph.nodes), reason)
         real = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in example]
-        with torch._guards.tracing(None):
-            compiled = torch._inductor.compile(gm, real)
+        with tracing(None):
+            compiled = inductor_compile(gm, real)
         return _Kernel(_as_tuple(compiled), None, None, [(tuple(x.shape), x.stride()) for x in example])
 
 

@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._torch import aten_log_softmax
+
 CHUNK_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 """The chunk counts the planner chooses from."""
 
@@ -109,7 +111,7 @@ def linear_cross_entropy(
             x = torch.addmm(bias, h, weight_t) if bias is not None else torch.mm(h, weight_t)  # [n, V]
             if upcast:
                 x = x.to(torch.float32)  # the model-dtype logits are freed here: one [n, V] buffer again
-        torch._log_softmax(x, 1, False, out=x)  # in place: a row-wise kernel, no temporary
+        aten_log_softmax(x, 1, False, out=x)  # in place: a row-wise kernel, no temporary
         picked = x.gather(1, target).squeeze(1)
         loss -= torch.where(valid, picked, 0).sum(dtype=wdt)
         del picked

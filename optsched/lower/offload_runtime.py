@@ -85,7 +85,9 @@ class HostBuffers:
 
 def _use_count() -> Any:
     """torch's count of a storage's references (a private symbol: None where this torch lacks it)."""
-    return getattr(torch._C, "_storage_Use_Count", None)
+    from .._torch import storage_use_count  # looked up at each call, as torch has it now
+
+    return storage_use_count
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:

@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from torch.fx.graph import _BoxedCodeGen
 
 from ..executors.groups import Group
 from ..capture.joint_graph import JointGraph
@@ -35,11 +34,8 @@ from ..passes.op_variants import inplace_foreach, out_variant
 from ..costs.problem_builder import is_foreach_reuse
 from ..solvers.model.offload_sim import OffloadEvent
 from ..solvers.model.problem import Problem, Schedule
-
-try:  # descriptors label outputs for AOTAutograd's own tooling; optional across versions
-    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
-except ImportError:  # pragma: no cover
-    SavedForBackwardsAOTOutput = None
+from .._torch import (  # SavedForBackwardsAOTOutput labels outputs for AOTAutograd's own tooling: None where missing
+    BoxedCodeGen, SavedForBackwardsAOTOutput, current_graph_task_id, get_current_graph_task_keep_graph)
 
 
 class KeptGraphError(RuntimeError):
@@ -61,7 +57,7 @@ KEPT_GRAPH_MESSAGE = (
 def refuse_kept_graph() -> None:
     """The backward's first step: raise KeptGraphError when the autograd engine keeps the graph (run outside
     the engine, by a test or a profiler, there is no graph to keep)."""
-    if torch._C._current_graph_task_id() != -1 and torch._C._autograd._get_current_graph_task_keep_graph():
+    if current_graph_task_id() != -1 and get_current_graph_task_keep_graph():
         raise KeptGraphError(KEPT_GRAPH_MESSAGE)
 
 
@@ -404,7 +400,7 @@ def _module(jg: JointGraph, graph: fx.Graph) -> fx.GraphModule:
 
 def boxed(gm: fx.GraphModule) -> Callable:
     """Compile `gm` to take its arguments as a list that it clears, so nothing holds them past their last use."""
-    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.graph.set_codegen(BoxedCodeGen())
     gm.recompile()
 
     def run(args: list):

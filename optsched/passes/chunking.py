@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
+from .._torch import detect_fake_mode
 from ..lower.chunked_ce import BACKWARD_OP, OP
 
 aten = torch.ops.aten

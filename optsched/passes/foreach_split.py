@@ -21,6 +21,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .._torch import OpOverload
 from .op_variants import out_variant
 
 aten = torch.ops.aten
@@ -43,7 +44,7 @@ _SINGLE = {
 }
 
 
-def _base(target: torch._ops.OpOverload) -> tuple[str, bool] | None:
+def _base(target: OpOverload) -> tuple[str, bool] | None:
     name = target.overloadpacket.__name__
     if not name.startswith("_foreach_"):
         return None
@@ -53,7 +54,7 @@ def _base(target: torch._ops.OpOverload) -> tuple[str, bool] | None:
 
 
 @functools.cache
-def single_op(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+def single_op(target: OpOverload) -> OpOverload | None:
     """The per-tensor functional overload `target` (a foreach overload) runs on each element."""
     found = _base(target)
     if found is None or found[0] not in SPLITTABLE:
@@ -78,7 +79,7 @@ def _list_arg(schema_type: str) -> bool:
     return schema_type in ("List[Tensor]", "List[number]", "List[Scalar]")
 
 
-def element_call(node: fx.Node, i: int) -> tuple[torch._ops.OpOverload, tuple, dict]:
+def element_call(node: fx.Node, i: int) -> tuple[OpOverload, tuple, dict]:
     """(overload, args, kwargs) computing element `i` of foreach `node` out of place."""
     single = single_op(node.target)
     assert single is not None, node.target
@@ -101,7 +102,7 @@ def element_call(node: fx.Node, i: int) -> tuple[torch._ops.OpOverload, tuple, d
 
 
 def _splittable(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     if single_op(node.target) is None:  # also None for the _out overloads
         return False

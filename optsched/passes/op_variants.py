@@ -11,13 +11,15 @@ import functools
 
 import torch
 
+from .._torch import OpOverload
+
 __all__ = ["inplace_foreach", "out_overload", "out_variant"]
 
 
 @functools.cache
-def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
+def out_variant(target: OpOverload) -> tuple[OpOverload, str] | None:
     """The out= overload of an elementwise op with the same inputs, and its out argument's name."""
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.pointwise not in target.tags:
+    if not isinstance(target, OpOverload) or torch.Tag.pointwise not in target.tags:
         return None
     want = [(a.name, str(a.type)) for a in target._schema.arguments]
     packet = target.overloadpacket
@@ -33,14 +35,14 @@ def out_variant(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, s
 
 
 @functools.cache
-def out_overload(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, str] | None:
+def out_overload(target: OpOverload) -> tuple[OpOverload, str] | None:
     """The out= overload of `target` with the same arguments plus one kwarg-only out tensor, and its name.
 
     Pointwise ops go through `out_variant`; others (copy, mm, ...) are
     matched the same way: every argument but the out one has the functional op's name
     and type, and the overload returns one tensor.
     """
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     found = out_variant(target)
     if found is not None:
@@ -63,9 +65,9 @@ def out_overload(target: torch._ops.OpOverload) -> tuple[torch._ops.OpOverload, 
 
 
 @functools.cache
-def inplace_foreach(target: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+def inplace_foreach(target: OpOverload) -> OpOverload | None:
     """`aten._foreach_<op>_.<overload>` for `aten._foreach_<op>.<overload>`: same arguments, first list written."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return None
     packet = target.overloadpacket
     if not packet.__name__.startswith("_foreach_") or target._schema.is_mutable:

@@ -24,6 +24,8 @@ import numbers
 import torch
 from torch import fx
 
+from .._torch import OpOverload
+
 __all__ = ["restore_fused_pointwise"]
 
 _RESTORE = {  # the product fma multiplies by a scalar -> the ATen op computing x + v * (t1 op t2)
@@ -34,7 +36,7 @@ _RESTORE = {  # the product fma multiplies by a scalar -> the ATen op computing 
 
 def _is_fma(target) -> bool:
     # prims.fma is registered when torch._inductor.inductor_prims is imported (Dynamo does so to emit it)
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "prims" and target.overloadpacket.__name__ == "fma"
+    return isinstance(target, OpOverload) and target.namespace == "prims" and target.overloadpacket.__name__ == "fma"
 
 
 def _val(node) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ import torch
 import networkx as nx
 from torch import fx
 
+from .._torch import OpOverload
 from ..solvers.model.problem import reject, rejections_in
 from .inplace import output_items
 
@@ -140,7 +141,7 @@ def batch_scalar_foreach(gm: fx.GraphModule) -> int:
     vectors = _Vectors(graph, mode)
     n = 0
     for op in list(graph.nodes):
-        if op.op != "call_function" or not isinstance(op.target, torch._ops.OpOverload):
+        if op.op != "call_function" or not isinstance(op.target, OpOverload):
             continue
         if not op.target.overloadpacket.__name__.startswith("_foreach_") or op.target._schema.is_mutable:
             continue
@@ -187,7 +188,7 @@ def _signature(node: fx.Node):
     """What must agree for ops to be stacked: target, constants, and per tensor operand its dtype;
     None when the node is not a deterministic elementwise op on 0-dim tensors."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return None
     if target._schema.is_mutable or torch.Tag.pointwise not in target.tags:
         return None

@@ -21,7 +21,9 @@ once, as the module-level `from torch._... import` it replaces did. Nothing heav
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 
@@ -183,6 +185,24 @@ def missing() -> dict[str, str]:
     return out
 
 
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """torch.compiler.is_compiling() is True inside (plan_offline's capture, as torch.export's non-strict tracing
+    does): torch's own session context where it has one (2.13), else its module flag (2.11)."""
+    compiler = importlib.import_module("torch.compiler")
+    session = getattr(compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = old
+
+
 def __getattr__(name: str) -> Any:
     symbol = SYMBOLS.get(name)
     if symbol is None:
@@ -194,5 +214,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *SYMBOLS])
 
 
-__all__ = ["SYMBOLS", "NAMED_CLASSES", "Symbol", "MissingTorchSymbol", "lookup", "missing", "PLAIN_AOT_OUTPUT",
+__all__ = ["SYMBOLS", "NAMED_CLASSES", "Symbol", "MissingTorchSymbol", "lookup", "missing", "compiling", "PLAIN_AOT_OUTPUT",
            "INPUT_MUTATION_AOT_OUTPUT", "ALLOCATION_EVENT", "COMPILED_FUNCTION_BACKWARD", "DYNAMO_METRICS_LOGGER", *SYMBOLS]

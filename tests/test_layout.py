@@ -24,10 +24,7 @@ ROOTS = {"optsched": REPO / "optsched", "optsched.solvers": REPO / "solvers"}
 FORBIDDEN_IN_CORE = ("torch", "rich")
 # Files that still reach into torch's private modules themselves: others were editing them when the rest moved to
 # optsched/_torch.py. Move their uses there and empty this list. (costs/cuda_allocator.py, edited then too, has none.)
-PRIVATE_TORCH_ALLOWED = {
-    "optsched/costs/problem_builder.py",  # torch._ops.OpOverload, torch._C._BlasBackend ("InputMutationAOTOutput" by name)
-    "optsched/compiler/offline.py",  # aot_module_simplified, default_partition, fake tensors, tree_leaves, compiler flags
-}
+PRIVATE_TORCH_ALLOWED: set[str] = set()  # files still reaching torch's private names directly: none left
 
 
 def modules(roots: dict[str, Path]) -> dict[str, Path]:

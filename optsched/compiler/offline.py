@@ -29,12 +29,10 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+
+from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, default_partition, tree_leaves
 
 from ..passes.prepare import prepare_inference, prepare_training
 from ..planner import Planner, Target, default_offload, host_budget_bytes
@@ -298,22 +296,6 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-@contextlib.contextmanager
-def _compiling():
-    """torch.compiler.is_compiling() is True inside (torch.export's non-strict tracing does the same)."""
-    session = getattr(torch.compiler, "_compile_session_context", None)
-    if session is not None:
-        with session():
-            yield
-        return
-    old = torch.compiler._is_compiling_flag  # pragma: no cover - older torch
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = old
-
-
 def _fake_inputs(mode: FakeTensorMode, inputs) -> tuple:
     if isinstance(inputs, (torch.Tensor,)) or not isinstance(inputs, (tuple, list)):
         raise TypeError(f"inputs_factory must return a tuple of positional arguments, got {type(inputs).__name__}")
@@ -364,11 +346,11 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
         inputs = _fake_inputs(mode, inputs_factory())
     _check_fake(module)
     # The forward sees a tracer, as under torch.compile: code that branches on data unless
-    # torch.compiler.is_compiling() (transformers' mask helpers, for one) takes the traceable path.
+    # torch.compiler.iscompiling() (transformers' mask helpers, for one) takes the traceable path.
     # On a CUDA profile, attention is captured as the GPU's kernel (see sdpa_prediction.CudaAttention), not the CPU one.
     profile = backend.target.profile
     attention = CudaAttention(profile) if profile.device_type == "cuda" else contextlib.nullcontext()
-    with mode, torch.enable_grad(), _compiling():
+    with mode, torch.enable_grad(), compiling():
         flat, slots = _dynamo_order(module, inputs)
         with attention:
             aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(backend))  # never run

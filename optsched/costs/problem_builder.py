@@ -20,6 +20,7 @@ from .sdpa_prediction import host_outputs
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..capture.output_usage import OutputUsage, tangent_outputs
 from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
+from .._torch import INPUT_MUTATION_AOT_OUTPUT, BlasBackend, OpOverload
 
 _SDPA = {
     "_scaled_dot_product_flash_attention_for_cpu",
@@ -48,7 +49,7 @@ def _dropout_p(node: fx.Node) -> float:
 def is_recomputable(node: fx.Node) -> bool:
     """Deterministic, non-mutating ops only: recomputing a random op would change its values."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     if target._schema.is_mutable:
         return False
@@ -206,7 +207,7 @@ def mutated_input_storages(jg: JointGraph) -> set[int]:
     descs = out.meta.get("desc")
     if not isinstance(descs, (list, tuple)):
         return set()
-    mutated = {getattr(d, "mutated_input", None) for d in descs if type(d).__name__ == "InputMutationAOTOutput"}
+    mutated = {getattr(d, "mutated_input", None) for d in descs if type(d).__name__ == INPUT_MUTATION_AOT_OUTPUT}
     return {s for p in jg.primals if p.meta.get("desc") in mutated for s in jg.node_storages(p)}
 
 
@@ -546,7 +547,7 @@ class CudaMemory:
 
 
 def _host_outputs(node: fx.Node) -> tuple[int, ...]:
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return ()
     return host_outputs(_packet(node), _dropout_p(node))
 
@@ -592,7 +593,7 @@ def _has_vector_bias(node: fx.Node) -> bool:
 
 def _prefers_cublaslt() -> bool:
     """Every matmul takes the cuBLASLt path (torch.backends.cuda.preferred_blas_library, TORCH_BLAS_PREFER_CUBLASLT)."""
-    backend = getattr(torch._C, "_BlasBackend", None)
+    backend = BlasBackend
     try:
         return backend is not None and torch.backends.cuda.preferred_blas_library() == backend.Cublaslt
     except (RuntimeError, AttributeError):

@@ -62,6 +62,8 @@ bench: setup
 # on a CUDA machine, with its own python and torch (no venv is made): pytest -m gpu, the Llama headline, a step
 # that does not fit, offload vs recompute; writes benchmarks/results/gpu_check.json. E.g.
 # PYTHONPATH=/tmp/site:$PWD make gpu-check PY=python3
+# On a device machine whose copy of .git may lag the tree, set OPTSCHED_COMMIT=<the commit sent> so the JSON's
+# meta names it (python -m benchmarks.report renders the README's GPU table from that JSON).
 gpu-check:
 	$(PY) -m benchmarks.gpu_check
 

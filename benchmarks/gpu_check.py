@@ -315,8 +315,24 @@ def git_state(root: Path = ROOT) -> dict:
         return {"commit": os.environ.get("OPTSCHED_COMMIT"), "clean": None, "from": "OPTSCHED_COMMIT",
                 "error": f"{type(e).__name__}: {str(e)[:200]}"}
     modified = [ln[3:] for ln in status if not ln.startswith("??")]
-    return {"commit": commit, "clean": not modified, "modified": modified[:50],
-            "untracked": sum(ln.startswith("??") for ln in status)}
+    state = {"commit": commit, "clean": not modified, "modified": modified[:50],
+             "untracked": sum(ln.startswith("??") for ln in status)}
+    sent = os.environ.get("OPTSCHED_COMMIT")
+    if sent:  # the device's copy of .git can lag the tree sent with it (seen: a session-start .git, today's tree)
+        state = {**state, "copy_commit": commit, "commit": sent, "from": "OPTSCHED_COMMIT"}
+    return state
+
+
+def result_meta(env: dict) -> dict:
+    """The JSON's `meta`, as every benchmark's (benchmarks/meta.py): the commit the tree was sent at where
+    OPTSCHED_COMMIT says it (the device call sets it), else the checkout's."""
+    git = env.get("git") or {}
+    commit, sent = git.get("commit"), git.get("from") == "OPTSCHED_COMMIT"  # sent: the copy's tree state is unknown
+    return {"commit": commit, "short": commit[:7] if commit else None, "clean": None if sent else git.get("clean"),
+            "dirty_files": [] if sent else git.get("modified", []),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": env.get("torch"), "python": env.get("python"),
+            "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.gpu_check", *sys.argv[1:]])}
 
 
 def _version(module: str) -> str | None:
@@ -1290,6 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     try:
         check.result["environment"] = {**environment(device), "optsched_from": found}
+        check.result["meta"] = result_meta(check.result["environment"])
         check.save()
         steps = [("preflight", section_preflight), ("headline", section_headline_first), ("offload", section_offload),
                  ("does_not_fit", section_does_not_fit), ("gpu_tests", section_gpu_tests),

@@ -496,3 +496,16 @@ def test_live_at_peak_groups_the_step_allocations_live_at_its_peak():
     r = gc.live_at_peak(ev)
     assert r["peak_rise_bytes"] == 350 and r["n_live"] == 2 and r["n_events"] == 7
     assert [(g["where"], g["bytes"]) for g in r["groups"]] == [("bwd.py:20 bwd", 300), ("fwd.py:10 fwd", 50)]
+
+
+def test_the_commit_sent_with_the_tree_is_the_one_recorded(monkeypatch):
+    """On the H200 the copy of .git was the session's first commit while the tree was a later one: the JSON named
+    the wrong commit. OPTSCHED_COMMIT (set in the device command) wins, and the tree state is then unknown."""
+    monkeypatch.setenv("OPTSCHED_COMMIT", "0123456789abcdef")
+    git = gc.git_state()
+    assert git["commit"] == "0123456789abcdef" and git["from"] == "OPTSCHED_COMMIT" and "copy_commit" in git
+    meta = gc.result_meta({"git": git, "torch": "2.11", "python": "3.12"})
+    assert meta["commit"] == "0123456789abcdef" and meta["short"] == "0123456" and meta["clean"] is None
+    assert meta["dirty_files"] == []
+    monkeypatch.delenv("OPTSCHED_COMMIT")
+    assert gc.result_meta({"git": gc.git_state()})["commit"] == gc.git_state()["commit"] != "0123456789abcdef"

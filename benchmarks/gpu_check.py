@@ -329,7 +329,7 @@ def result_meta(env: dict) -> dict:
     git = env.get("git") or {}
     commit, sent = git.get("commit"), git.get("from") == "OPTSCHED_COMMIT"  # sent: the copy's tree state is unknown
     return {"commit": commit, "short": commit[:7] if commit else None, "clean": None if sent else git.get("clean"),
-            "dirty_files": [] if sent else git.get("modified", []),
+            "dirty_files": [] if sent else git.get("modified", []), "sent_commit": sent,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": env.get("torch"), "python": env.get("python"),
             "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.gpu_check", *sys.argv[1:]])}

@@ -6,8 +6,9 @@ caller, not the model:
 - **whether a gradient flows into an output.** `model(ids, labels=ids).loss.backward()` uses the
   loss only; logits and key/value caches get no gradient. By default the autograd engine then
   hands the backward a full-size tensor of zeros per such output (10-24% of a small LM's peak);
-  eager autograd never makes it. We turn that off (`release_unused_grads`) and give the backward
-  a zero broadcast from one element instead (`fill_missing_tangents`): same values, no memory.
+  eager autograd never makes it. We turn that off (`release_unused_grads`) and the backward reads a
+  zero broadcast from one element instead, made at each op that reads it (`zeros_if_missing`):
+  same values, no memory.
 - **how long the caller holds an output.** `out = model(x); loss_fn(out, y).backward()` keeps `out`
   through the backward; `loss_fn(model(x), y).backward()` drops it as soon as the loss is made.
 
@@ -234,17 +235,24 @@ def release_unused_grads(outputs) -> list:
 
 
 def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]]) -> list:
-    """Tangents that arrived as None (no gradient flowed into that output) become zeros broadcast
-    from one element: the values autograd would have made, without their memory."""
-    tangents = []
-    for i, meta in positions:
-        tangents.append(args[i])
-        if args[i] is None:
-            args[i] = torch.zeros((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
-    return tangents
+    """The tangents as they arrived, None where no gradient flowed into that output. Nothing is made here:
+    the lowered backward reads each through `zeros_if_missing` at the op that needs it (lower/programs.py), as
+    eager autograd holds nothing for such an output; a zero made here would live from the backward's start,
+    where a loss's backward peaks, one element per output (issue 33)."""
+    return [args[i] for i, _meta in positions]
+
+
+def zeros_if_missing(tangent: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """`tangent`, or where it arrived as None, zeros broadcast from one element: the values autograd would
+    have made, without their memory. Called just before each op that reads the tangent, so the element lives
+    only while that op runs."""
+    if tangent is not None:
+        return tangent
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 __all__ = [
     "OutputUsage", "OutputUsageWarning", "SeenPeak", "UsageObserver", "default_usage", "fill_missing_tangents",
-    "release_unused_grads", "tangent_outputs", "warn_if_underplanned",
+    "release_unused_grads", "tangent_outputs", "warn_if_underplanned", "zeros_if_missing",
 ]

@@ -329,17 +329,17 @@ def build_problem(
     held, returned = caller_outputs(jg, usage)
     movable = offloadable_storages(jg) - returned  # the caller holds those until the forward ends
     tangent_bytes = _tangent_bytes(jg, usage)
+    count = cuda.count if cuda is not None else (lambda n: n)
     known: set = set()
     if cuda is None:
         tensors = [
-            Tensor(s.index, s.node.name, tangent_bytes.get(s.index, s.nbytes), s.kind, offloadable=s.index in movable)
+            Tensor(s.index, s.node.name, 0 if s.index in tangent_bytes else s.nbytes, s.kind, offloadable=s.index in movable)
             for s in jg.storages
         ]
     else:
         host, known = cuda.host_storages(jg), storage_keys(jg)
         tensors = [
-            Tensor(s.index, s.node.name,
-                   cuda.count(tangent_bytes[s.index]) if s.index in tangent_bytes else cuda.storage_bytes(jg, s, host),
+            Tensor(s.index, s.node.name, 0 if s.index in tangent_bytes else cuda.storage_bytes(jg, s, host),
                    s.kind, offloadable=s.index in movable)
             for s in jg.storages
         ]
@@ -365,7 +365,8 @@ def build_problem(
                 reuse=_reuse(jg, node, outs) if _may_reuse(jg, node, measured) else (),
                 reuse_all=is_foreach_reuse(node),
                 workspace_bytes=(measured.workspace.get(node.name, 0) if measured else 0)
-                + (cuda.unread_output_bytes(jg, node, known) if cuda is not None else 0),
+                + (cuda.unread_output_bytes(jg, node, known) if cuda is not None else 0)
+                + sum(count(tangent_bytes[s]) for s in reads if s in tangent_bytes),
             )
         )
         nodes.append(node)
@@ -413,8 +414,10 @@ def caller_outputs(jg: JointGraph, usage: OutputUsage | None) -> tuple[set[int],
 
 
 def _tangent_bytes(jg: JointGraph, usage: OutputUsage | None) -> dict[int, int]:
-    """A tangent of an output no gradient flows into is a zero broadcast from one element
-    (`output_usage.fill_missing_tangents`): it takes one element's bytes."""
+    """Per tangent storage of an output no gradient flows into, one element's bytes: the backward reads it as
+    zeros broadcast from one element, made anew for each op that reads it and dead after that op
+    (`output_usage.zeros_if_missing`), so the storage itself holds nothing and each reader holds the element
+    as its workspace."""
     if usage is None:
         return {}
     out = {}

@@ -163,7 +163,7 @@ def linear_cross_entropy_backward(
     scaled by the loss's incoming gradient, plus what the logits' own incoming gradient (`grad_logits`,
     the logits' shape) adds through the head: `grad_logits @ weight` to the hidden rows,
     `grad_logits.t() @ hidden` to the weight, its column sums to the bias. An output no gradient flowed
-    into arrives as zeros broadcast from one element (capture/output_usage.fill_missing_tangents): a
+    into arrives as zeros broadcast from one element (capture/output_usage.zeros_if_missing): a
     broadcast value c adds c times the weight's row sums and the hidden's column sums, no [N, V] matmul."""
     rows = hidden.shape[0]
     gh = grad_hidden * grad_loss

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ..executors.groups import Group
 from ..capture.joint_graph import JointGraph
+from ..capture.output_usage import zeros_if_missing
 from .offload_runtime import OffloadRuntime, SlotSpec
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..costs.problem_builder import is_foreach_reuse
@@ -299,12 +300,19 @@ class _Backward:
         self.symbol_placeholders: list[fx.Node] = []
         self.fetching: dict[int, fx.Node] = {}  # offloaded storage -> its prefetch, until first read
         self.prog = _Program(jg, self._from_forward)
+        self.tangent_ph: dict[fx.Node, fx.Node] = {}  # original tangent -> its placeholder (None: no gradient came)
+        self.from_tangents = set(jg.tangents)  # the tangents and every view of one, made anew for each reader
+        for n in jg.gm.graph.nodes:
+            if jg.is_view(n) and any(a in self.from_tangents for a in n.all_input_nodes):
+                self.from_tangents.add(n)
 
     def build(self, built_nodes: list[fx.Node | Group], schedule: Schedule, reused: dict[int, int]) -> None:
         """Tangents, then the backward ops in order with each prefetch at its step, then the
         gradients; placeholders moved to the top (saved and host copies, then tangents)."""
         jg = self.jg
         tangent_ph = [self.prog.placeholder(t) for t in jg.tangents]
+        for t in jg.tangents:
+            self.tangent_ph[t] = self.prog.env.pop(t)  # read through zeros_if_missing (`_tangent`)
         self.prog.graph.call_function(refuse_kept_graph, ())
         n_fw = len(schedule.fw_order)
         fetch_at: dict[int, list[int]] = {}
@@ -313,6 +321,8 @@ class _Backward:
         for j, o in enumerate(schedule.bw_order):
             for t in fetch_at.get(n_fw + j, []):
                 self._prefetch(t)
+            for n in self.from_tangents:  # each op reads its own zero of a missing tangent, dead after it
+                self.prog.env.pop(n, None)
             self.prog.emit(built_nodes[o], reused.get(n_fw + j))
         if self.fetching:
             raise RuntimeError(f"{len(self.fetching)} offloaded tensors are prefetched but never read")
@@ -333,9 +343,22 @@ class _Backward:
         self.placeholders.append(new)
         return new
 
+    def _tangent(self, node: fx.Node) -> fx.Node:
+        """A tangent as the op about to be emitted reads it: the gradient that came, or where none came (an
+        output the caller did not differentiate), zeros broadcast from one element made here and dead after
+        this op, as eager autograd holds nothing for such an output (the plan counts the element as each
+        reader's workspace: costs/problem_builder)."""
+        v = node.meta["val"]
+        new = self.prog.graph.call_function(zeros_if_missing, (self.tangent_ph[node], tuple(v.shape), v.dtype, v.device))
+        new.meta = dict(node.meta)
+        self.prog.env[node] = new
+        return new
+
     def _from_forward(self, node: fx.Node) -> fx.Node:
         """A forward value the backward reads and does not recompute: it crosses as a saved tensor,
-        or, if offloaded, comes back from the host here, at its first reader."""
+        or, if offloaded, comes back from the host here, at its first reader. A tangent: `_tangent`."""
+        if node in self.tangent_ph:
+            return self._tangent(node)
         owner = node.args[0] if node.target is operator.getitem else node
         if owner in self.recomputed:
             raise RuntimeError(f"{node.name} is read in the backward before its recomputation")

@@ -175,7 +175,8 @@ def test_saved_placeholders_made_after_their_names_are_taken_receive_their_own_t
     for n, v in zip(saved, [torch.zeros(2), torch.zeros(3)]):
         n.meta["val"] = v
     assert [n.name for n in saved] == ["getitem", "getitem_1"]
-    jg = SimpleNamespace(storage_of={}, getitems={}, is_view=lambda n: False)
+    jg = SimpleNamespace(storage_of={}, getitems={}, is_view=lambda n: False, tangents=[],
+                         gm=SimpleNamespace(graph=fx.Graph()))
     bw = _Backward(jg, set(), {}, None)
     tangent = bw.prog.graph.placeholder("tangents_1")
     taken = bw.prog.graph.create_node("call_function", torch.neg, (tangent,), name="getitem")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import warnings
 import weakref
@@ -43,7 +42,7 @@ from .costs.problem_builder import Built, build_problem, reuse_candidates
 from .costs.profiles import DeviceProfile, NodeCosts, get_profile
 from .costs.measure import unread_state
 from .costs.profiling import profile_nodes, real_placeholders
-from .executors import get_executor
+from .executors import get_executor, runs_on
 from .executors.base import Executor
 from .executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
 from .lower.chunked_ce import CHUNK_COUNTS
@@ -874,7 +873,7 @@ class Planner:
         default is Inductor, is replayed, not refused) and it runs here. None otherwise: an executor the caller
         named, or one that cannot run here, is compared as it is (a mismatch)."""
         name, t = pf.data["made_for"].get("executor"), self.target
-        if self.settings.executor is not None or name == t.executor.name or not _runs_on(name, t.device):
+        if self.settings.executor is not None or name == t.executor.name or not runs_on(name, t.device):
             return None
         return name
 
@@ -889,20 +888,6 @@ class Planner:
             plan.stats.notes.append(self._lent_note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
-
-
-def _runs_on(executor: object, device: torch.device) -> bool:
-    """Whether `executor` (a plan file's name for it) can run fusion groups on `device`, as `get_executor`'s
-    default finds out: eager anywhere, Inductor where Triton imports on CUDA, nvFuser where it loads on CUDA."""
-    if executor == "eager":
-        return True
-    if executor == "inductor":
-        return device.type != "cuda" or importlib.util.find_spec("triton") is not None
-    if executor == "nvfuser":
-        from .executors.nvfuser import nvfuser_available
-
-        return device.type == "cuda" and nvfuser_available()
-    return False
 
 
 def time_limit(asked: float | None, ops: int) -> float:

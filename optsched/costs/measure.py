@@ -214,18 +214,15 @@ def measure_time(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 5) -> 
     with another busy process, 2 intra-op threads can run ~40x slower than 1
     (``torch.set_num_threads(1)``) because each parallel region waits for a descheduled thread.
     """
-    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    sync = torch.cuda.synchronize if on_cuda else None
+    sync = device_sync()
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
-        if sync:
-            sync()
+        sync()
         t0 = time.perf_counter()
         fn()
-        if sync:
-            sync()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

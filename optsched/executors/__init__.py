@@ -45,11 +45,11 @@ def get_executor(name: str | None, device: torch.device) -> Executor:
 
     if name is None:
         if device.type == "cuda":
-            from .nvfuser import NvFuserExecutor, nvfuser_available
+            if runs_on("nvfuser", device):
+                from .nvfuser import NvFuserExecutor
 
-            if nvfuser_available():
                 return NvFuserExecutor()
-            if importlib.util.find_spec("triton") is not None:
+            if runs_on("inductor", device):
                 return InductorExecutor()
         return EagerExecutor()
     if not isinstance(name, str) or name.lower() not in NAMES:
@@ -66,4 +66,19 @@ def get_executor(name: str | None, device: torch.device) -> Executor:
     return NvFuserExecutor()
 
 
-__all__ = ["NAMES", "EagerExecutor", "Executor", "InductorExecutor", "get_executor"]
+def runs_on(name: object, device: torch.device) -> bool:
+    """Whether executor `name` can run fusion groups on `device` (what the default picks from; a plan file's
+    executor replaces the default only where this holds): eager anywhere, Inductor where Triton imports on CUDA,
+    nvFuser where its wheel loads on CUDA."""
+    if name == "eager":
+        return True
+    if name == "inductor":
+        return device.type != "cuda" or importlib.util.find_spec("triton") is not None
+    if name == "nvfuser":
+        from .nvfuser import nvfuser_available
+
+        return device.type == "cuda" and nvfuser_available()
+    return False
+
+
+__all__ = ["NAMES", "EagerExecutor", "Executor", "InductorExecutor", "get_executor", "runs_on"]

@@ -1042,7 +1042,7 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:
 
 def _reads_tangent(jg: JointGraph, node: fx.Node) -> bool:
     """Whether `node` reads a tangent, directly or through views. A tangent no gradient flowed into arrives
-    as a zero broadcast from one element (capture/output_usage.fill_missing_tangents), a layout a group
+    as a zero broadcast from one element (capture/output_usage.zeros_if_missing), a layout a group
     kernel compiled for the traced strides cannot take: such ops stay out of fusion groups."""
     tangents = set(jg.tangents)
     stack = list(node.all_input_nodes)

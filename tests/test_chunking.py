@@ -169,7 +169,7 @@ def test_kernel_covers_bias_upcast_shift_and_logits_out(dtype, bias, upcast, shi
 
 def test_backward_adds_the_logits_own_gradient():
     """The logits a step returns may get a gradient: dense (the caller used them) or zeros broadcast from one
-    element (output_usage.fill_missing_tangents: none flowed in), which adds no [N, V] matmul."""
+    element (output_usage.zeros_if_missing: none flowed in), which adds no [N, V] matmul."""
     torch.manual_seed(0)
     h, w_t = torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 9, dtype=torch.float64)
     gh, gw, gb = torch.randn(6, 4, dtype=torch.float64), torch.randn(9, 4, dtype=torch.float64), torch.randn(9, dtype=torch.float64)

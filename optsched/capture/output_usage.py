@@ -234,14 +234,6 @@ def release_unused_grads(outputs) -> list:
     return found
 
 
-def fill_missing_tangents(args: list, positions: list[tuple[int, torch.Tensor]]) -> list:
-    """The tangents as they arrived, None where no gradient flowed into that output. Nothing is made here:
-    the lowered backward reads each through `zeros_if_missing` at the op that needs it (lower/programs.py), as
-    eager autograd holds nothing for such an output; a zero made here would live from the backward's start,
-    where a loss's backward peaks, one element per output (issue 33)."""
-    return [args[i] for i, _meta in positions]
-
-
 def zeros_if_missing(tangent: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
     """`tangent`, or where it arrived as None, zeros broadcast from one element: the values autograd would
@@ -253,6 +245,6 @@ def zeros_if_missing(tangent: torch.Tensor | None, shape: tuple[int, ...], dtype
 
 
 __all__ = [
-    "OutputUsage", "OutputUsageWarning", "SeenPeak", "UsageObserver", "default_usage", "fill_missing_tangents",
+    "OutputUsage", "OutputUsageWarning", "SeenPeak", "UsageObserver", "default_usage",
     "release_unused_grads", "tangent_outputs", "warn_if_underplanned", "zeros_if_missing",
 ]

@@ -28,7 +28,7 @@ from ..settings import PlanningSettings
 from ..capture.errors import check_static_sizes
 from ..capture.joint_graph import build_joint_graph
 from ..capture.output_usage import (
-    OutputUsage, SeenPeak, UsageObserver, default_usage, fill_missing_tangents, tangent_outputs,
+    OutputUsage, SeenPeak, UsageObserver, default_usage, tangent_outputs,
 )
 from ..solvers import simulate
 from ..capture.tangent_handover import TangentHandover, can_hand_over
@@ -213,7 +213,7 @@ class PlanningBackend:
         def backward(args: list):
             if handover is not None:
                 handover.give(args, positions)  # the gradients the engine's pre-hook took (tangent_handover)
-            tangents = fill_missing_tangents(args, positions)
+            tangents = [args[i] for i, _meta in positions]  # None where no gradient came (zeros_if_missing)
             if observer is None:
                 del tangents
                 return run(args)

@@ -22,12 +22,14 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check optsched solvers tests benchmarks
 
-# two workers (the CI machine's two cores): about 9 minutes instead of 15; the slowest tests listed at the end
+# two workers (the CI machine's two cores), tests that share a module fixture kept on one worker (xdist_group,
+# tests/conftest.py), each hypothesis property at most 25 examples; the slowest tests listed at the end
 test: setup lint
-	$(BIN)/python -m pytest -q -n 2 --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
+# every test (slow and zoo ones included), each hypothesis property at its full count (tests/hypothesis_profiles.py)
 test-all: setup
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -m '' --hypothesis-profile=full
 
 # every zoo case (the default subset included): transformers' and torch.nn models under optsched's contracts
 test-zoo: setup
@@ -52,6 +54,8 @@ bench: setup
 	$(BIN)/python -m benchmarks.zoo
 	$(BIN)/python -m benchmarks.loops
 	$(BIN)/python -m benchmarks.tight_budgets --label after
+	$(BIN)/python -m benchmarks.two_processes
+	$(BIN)/python -m benchmarks.planning_time
 	$(BIN)/python -m benchmarks.scaling_llama --label after --depths 8,16,32,80
 	$(BIN)/python -m benchmarks.chunking
 	$(BIN)/python -m benchmarks.fsdp_offline

@@ -72,7 +72,7 @@ def solve_row(problem, budget: int, chain: bool, time_limit_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from optsched.planner import DEFAULT_S_PER_OP, DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_TIME_LIMIT_S
+    from optsched.planning.timing import DEFAULT_S_PER_OP, DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_TIME_LIMIT_S
     from optsched.solvers import default_schedule, simulate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -124,8 +124,9 @@ def run(args) -> dict:
     from benchmarks.models import llama
     from optsched.compiler.offline import plan_offline
     from optsched.solvers import default_schedule, simulate
-    from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, heuristic_schedule,
-                                      plan_digest, saved_bytes, with_schedule)
+    from optsched.distributed import (activation_peak, block_schedule, choose_block_plan, fsdp_memory, plan_digest,
+                                      saved_bytes, with_schedule)
+    from optsched.solvers.search.sweep import heuristic_schedule
 
     cfg = _config()
     batch, seq = args.batch, args.seq

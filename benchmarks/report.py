@@ -667,25 +667,82 @@ def tight_summary_table(d: dict) -> str:
 
 
 def planning_time_table(d: dict) -> str:
-    """benchmarks/planning_time.py: solve wall seconds against time_limit_s, and what 4x the limit changed."""
+    """benchmarks/planning_time.py: planning wall seconds against time_limit_s, what 4x the limit changed, and the
+    clock's calibration fit."""
     t = d["time_limit_s"]
+    if "worst_plan_over_limit" not in d:  # a run from before the planning account (solve seconds only)
+        return _planning_time_solves(d)
     lines = [f"`time_limit_s` T = {t:g} s, deterministic, `executor=\"inductor\"` (fusion options), `chunking=True` "
-             f"on the models with an LM head + cross-entropy; {d['threads']} threads. solve = wall seconds inside the "
-             "planner's solves (every program and chunk count); first call = everything (capture, op timing, solving, "
-             "fusion compiles, lowering, the step). Infeasible budgets are solved again at 4T.", "",
+             f"on the models with an LM head + cross-entropy; {d['threads']} threads. plan = wall seconds of each "
+             "program's planning after capture (op timing, problem building, bounds, every solve, fusion compiles); "
+             "first call = everything (capture, planning, lowering, the step). Infeasible budgets are solved again "
+             "at 4T.", "",
+             "| model | budget | T | plan s | worst program / its limit | first call s | result | 4T changed the answer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for case in d["cases"]:
+        for r in case["rows"] + case["longer"]:
+            lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {r['plan_s']:.1f} | "
+                         f"{r['plan_over_limit']:.2f} | {r['first_call_s']:.1f} | {_planning_result(r)} | "
+                         f"{_changed(r)} |")
+    worst = d.get("worst_plan_over_limit")
+    lines += ["", f"Worst planning time / limit: {worst:.2f} (the issue's allowance: {d['slack']}); "
+              + ("every run within it." if d.get("within_slack") else "**over it in some runs.**")]
+    if d.get("fit"):
+        lines += ["", _calibration_table(d["fit"])]
+    return "\n".join(lines)
+
+
+def _planning_result(r: dict) -> str:
+    if r["fits"]:
+        return f"fits, {r['predicted_peak_bytes'] / MIB:.2f} MiB" + (f", chunks {r['chunks']}" if r.get("chunks") else "")
+    return f"infeasible, lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB" + (" (proven)" if r.get("proven") else "")
+
+
+def _changed(r: dict) -> str:
+    return "" if "lowest_changed" not in r else ("yes" if r["lowest_changed"] else "no")
+
+
+def _calibration_table(fit: dict) -> str:
+    """The clock's table (solvers/model/calibration.py) in use, its least-squares refit on these runs, and both
+    residuals (clock seconds / wall seconds - 1 per program)."""
+    def spread(rs: list[float]) -> str:
+        return f"{min(rs):+.0%} to {max(rs):+.0%}" if rs else "-"
+
+    at = fit.get("fitted_at") or {}
+    lines = [f"The clock's calibration (solvers/model/calibration.py, fitted at {at.get('commit') or 'no commit'}: "
+             f"{at.get('how', '')}) and its least-squares refit on these {fit['samples']} programs "
+             "(benchmarks/calibration_fit.py; seconds per unit):", "",
+             "| unit | table | refit |", "|---|---|---|"]
+    for k in sorted(set(fit["table"]) | set(fit["seconds"])):
+        lines.append(f"| {k} | {fit['table'].get(k, float('nan')):.3g} | {fit['seconds'].get(k, float('nan')):.3g} |")
+    lines += ["", f"Residuals per program: table {spread(fit['table_residuals'])}, refit {spread(fit['residuals'])}."]
+    return "\n".join(lines)
+
+
+def _planning_time_solves(d: dict) -> str:
+    t = d["time_limit_s"]
+    lines = [f"`time_limit_s` T = {t:g} s; solve = wall seconds inside the planner's solves only.", "",
              "| model | budget | T | solve s | solve / T | first call s | result | 4T changed the answer |",
              "|---|---|---|---|---|---|---|---|"]
     for case in d["cases"]:
         for r in case["rows"] + case["longer"]:
-            res = (f"fits, {r['predicted_peak_bytes'] / MIB:.2f} MiB" + (f", chunks {r['chunks']}" if r.get("chunks") else "")
-                   if r["fits"] else f"infeasible, lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB"
-                   + (" (proven)" if r.get("proven") else ""))
-            changed = "" if "lowest_changed" not in r else ("yes" if r["lowest_changed"] else "no")
             lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {r['solve_s']:.1f} | "
-                         f"{r['solve_over_limit']:.2f} | {r['first_call_s']:.1f} | {res} | {changed} |")
+                         f"{r['solve_over_limit']:.2f} | {r['first_call_s']:.1f} | {_planning_result(r)} | {_changed(r)} |")
     worst = d.get("worst_solve_over_limit")
-    lines += ["", f"Worst solve time / T: {worst:.2f} (the issue's allowance: {d['slack']}); "
-              + ("every run within it." if d.get("within_slack") else "**over it in some runs.**")]
+    lines += ["", f"Worst solve time / T: {worst:.2f} (the issue's allowance: {d['slack']})."]
+    return "\n".join(lines)
+
+
+def two_processes_table(d: dict) -> str:
+    """benchmarks/two_processes.py: the tight-budget GPT planned in two fresh processes sharing one op-time file."""
+    lines = ["`benchmarks.tight_budgets --parts gpt` in two fresh processes, each with its own results file, both "
+             "naming one `$OPTSCHED_OP_TIMES` file (the first measures and writes op times, the second reads them); "
+             f"{d['probes']} lowest-feasible probes. Peak planned (or, infeasible, the lowest found), MiB:", "",
+             "| budget | first process | second process | equal |", "|---|---|---|---|"]
+    for r in d["rows"]:
+        mib = lambda b: "-" if b is None else f"{b / MIB:.2f}"  # noqa: E731
+        lines.append(f"| {r['case']} | {mib(r['first'])} | {mib(r['second'])} | {'yes' if r['equal'] else '**no**'} |")
+    lines += ["", "Every outcome equal." if d["all_equal"] else "**Some outcomes differ.**"]
     return "\n".join(lines)
 
 
@@ -960,6 +1017,7 @@ TABLES = {
     "tight_summary": ("tight_budgets.json", tight_summary_table),
     "planning_time": ("planning_time.json", planning_time_table),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
+    "two_processes": ("two_processes.json", two_processes_table),
     "chunking": ("chunking.json", chunking_table),
     "fsdp": ("fsdp_offline.json", fsdp_table),
     "gpu": ("gpu_check.json", gpu_table),

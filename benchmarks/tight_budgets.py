@@ -38,6 +38,7 @@ so the same command before and after a change gives a side-by-side table
 
     python -m benchmarks.tight_budgets --label before                    # gpt, then the zoo subset
     python -m benchmarks.tight_budgets --label after --parts gpt
+    python -m benchmarks.tight_budgets --label twice-1 --parts gpt --op-times /tmp/ops.json   # then twice-2: alike
     python -m benchmarks.tight_budgets --label after --parts zoo --cases llama-labels,vit --size bench
     python -m benchmarks.tight_budgets --show                             # print the stored table
 """
@@ -458,7 +459,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions for time vs eager (0: no timing)")
     ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     ap.add_argument("--show", action="store_true", help="print the stored tables and exit")
+    ap.add_argument("--op-times", type=Path, default=None,
+                    help="a file of op times shared with other runs ($OPTSCHED_OP_TIMES): runs naming one file plan "
+                         "on the same measurements, so two fresh runs give the same plans")
     args = ap.parse_args(argv)
+    if args.op_times is not None:
+        os.environ["OPTSCHED_OP_TIMES"] = str(args.op_times.resolve())
     if args.show:
         from benchmarks.report import tight_tables
 

@@ -203,6 +203,14 @@ def compiling() -> Iterator[None]:
         compiler._is_compiling_flag = old
 
 
+def storage_refs(t: Any) -> int | None:
+    """How many references hold tensor `t`'s storage (torch's use count of its C++ storage, `_cdata`); None where
+    this torch cannot say (the symbol or the storage's handle is missing): callers treat None as "in use"."""
+    use_count = lookup("storage_use_count", SYMBOLS["storage_use_count"])
+    handle = getattr(t.untyped_storage(), "_cdata", None)
+    return use_count(handle) if use_count is not None and handle is not None else None
+
+
 def __getattr__(name: str) -> Any:
     symbol = SYMBOLS.get(name)
     if symbol is None:
@@ -214,5 +222,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *SYMBOLS])
 
 
-__all__ = ["SYMBOLS", "NAMED_CLASSES", "Symbol", "MissingTorchSymbol", "lookup", "missing", "compiling", "PLAIN_AOT_OUTPUT",
+__all__ = ["SYMBOLS", "NAMED_CLASSES", "Symbol", "MissingTorchSymbol", "lookup", "missing", "compiling", "storage_refs", "PLAIN_AOT_OUTPUT",
            "INPUT_MUTATION_AOT_OUTPUT", "ALLOCATION_EVENT", "COMPILED_FUNCTION_BACKWARD", "DYNAMO_METRICS_LOGGER", *SYMBOLS]

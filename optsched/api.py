@@ -29,7 +29,7 @@ from .capture.errors import CaptureError, capturing
 from .lower.offload_runtime import OffloadDeviceError
 from .capture.output_usage import OutputUsage, SeenPeak, release_unused_grads, warn_if_underplanned
 from .costs.profiles import DeviceProfile
-from .planner import CostCache
+from .costs.cost_cache import CostCache
 from .plans.plan import Plan
 from .settings import PlanningSettings
 from .state_snapshot import StateSnapshot
@@ -196,26 +196,14 @@ class Dispatcher:
             variant = backend.ran if backend is not None else None
             self.owner.__dict__["plan"] = variant.plan if variant is not None and variant.plan is not None else entry.plan
         if key[0][0] and variant is not None:  # grad mode: outputs no gradient flows into get None in the backward
-            nodes = release_unused_grads(out)
-            handover = variant.handover
-            if handover is not None:
-                for node in nodes:  # the backward frees the output gradients at their last use
-                    handover.attach(node)
-            observer = variant.observer
-            if observer is not None:
-                observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours
-                if entry.plan is not planned:
-                    # this call compiled: Dynamo leaves the frames of its compile in reference cycles that hold what
-                    # the call returned until a full collection; freed now, so the first backward sees only what the
-                    # caller holds (else a spurious "held", and a second plan)
-                    gc.collect()
+            _hand_over_outputs(out, variant, compiled_now=entry.plan is not planned)
         return out
 
     def _add(self, key: Hashable) -> _Entry:
         _refuse_backward_hooks(self.module)
         entry = _Entry()
         call = self.module._call_impl if self.module is not None else self.fn
-        entry.backend = self._backend(entry, *key)
+        entry.backend = _planning_backend(self, entry, *key)
         fn = _own_code(call)
         # dynamic=None: a float or int attribute that changes between steps (a scheduled temperature, a step
         # counter) becomes an input of the program after its first change, not a re-plan per value and a
@@ -232,65 +220,6 @@ class Dispatcher:
             if not any(_usage_key(b) == _usage_key(base) for b, _ in self.entries):  # its signature is gone:
                 self.usage.pop(_usage_key(base), None)  # forget what was seen of it
         return entry
-
-    def _backend(self, entry: _Entry, base: Hashable = None, usage: OutputUsage | None = None) -> PlanningBackend:
-        s = self.settings
-        # weak: the compiled code (which the garbage collector does not see through) holds the backend, and
-        # the entry holds the compiled code; a strong reference back would keep a dropped entry alive
-        entry_ref, owner_ref = weakref.ref(entry), weakref.ref(self)
-
-        def on_plan(plan: Plan) -> None:
-            entry, dispatcher = entry_ref(), owner_ref()
-            if entry is not None:
-                entry.plan = plan
-            if dispatcher is not None:
-                dispatcher.owner.__dict__["plan"] = plan
-
-        def on_usage(seen: OutputUsage, planned: OutputUsage, peak: SeenPeak | None = None) -> None:
-            dispatcher = owner_ref()
-            if dispatcher is not None:
-                # the next call with this signature plans for everything seen so far: a caller whose use varies
-                # from step to step (garbage collected late, an extra loss now and then) converges on one plan
-                wanted = seen.union(dispatcher.usage.get(_usage_key(base)))
-                if wanted != planned:
-                    dispatcher.usage[_usage_key(base)] = wanted
-            warn_if_underplanned(seen, planned, s.budget.spec is not None, peak)
-
-        # the budget as this signature's programs see it: a forward-only one takes its training program's bytes
-        resolution = self.resolution.for_shapes(_shapes_key(base))
-        return PlanningBackend(
-            self.settings, on_plan, resolution=resolution, carried=self.carried, usage=usage, on_usage=on_usage,
-            grads_at_start=bool(base and base[2]), cost_cache=self.cost_cache, state=self._module_state(),
-            first_micro_batch=self._first_micro_batch(base) if base and base[2] else None,
-        )
-
-    def _first_micro_batch(self, base: tuple) -> Callable[[], Plan | None]:
-        """For an accumulation step's planner: the plan of the same signature without gradients to start with, when
-        asked (weakly: the entries may be dropped meanwhile)."""
-        owner_ref = weakref.ref(self)
-
-        def plan() -> Plan | None:
-            dispatcher = owner_ref()
-            if dispatcher is None:
-                return None
-            for (other, _usage), entry in reversed(dispatcher.entries.items()):
-                if not other[2] and other[:2] == base[:2] and other[3:] == base[3:] and entry.plan is not None:
-                    return entry.plan
-            return None
-
-        return plan
-
-    def _module_state(self) -> Callable[[], list] | None:
-        """The module's named parameters and buffers when asked (weakly: a plan must not keep it alive)."""
-        if self.module is None:
-            return None
-        ref = weakref.ref(self.module)
-
-        def state() -> list:
-            module = ref()
-            return [] if module is None else [*module.named_parameters(), *module.named_buffers()]
-
-        return state
 
     def copy_spec(self) -> _CopySpec:
         """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first)."""
@@ -319,6 +248,89 @@ class Dispatcher:
         state = {k: v for k, v in _shared_state(module).items() if k not in _INSTALLED}
         new.__dict__.update(copy.deepcopy(state, memo))
         return new
+
+
+def _hand_over_outputs(out: Any, variant: Any, compiled_now: bool) -> None:
+    """After a grad-mode call: the backward frees the output gradients at their last use, and the output-usage
+    observer watches the caller's tensors (views included)."""
+    nodes = release_unused_grads(out)
+    handover = variant.handover
+    if handover is not None:
+        for node in nodes:
+            handover.attach(node)
+    observer = variant.observer
+    if observer is not None:
+        observer.bind_visible(out)  # view outputs: watch the caller's tensor, not ours
+        if compiled_now:
+            # this call compiled: Dynamo leaves the frames of its compile in reference cycles that hold what
+            # the call returned until a full collection; freed now, so the first backward sees only what the
+            # caller holds (else a spurious "held", and a second plan)
+            gc.collect()
+
+
+def _planning_backend(dispatcher: Dispatcher, entry: _Entry, base: Hashable = None,
+                      usage: OutputUsage | None = None) -> PlanningBackend:
+    """The PlanningBackend of one entry (signature `base`, planned for `usage`), reporting its plan and what the
+    caller did with its outputs back to the entry and the dispatcher."""
+    s = dispatcher.settings
+    # weak: the compiled code (which the garbage collector does not see through) holds the backend, and
+    # the entry holds the compiled code; a strong reference back would keep a dropped entry alive
+    entry_ref, owner_ref = weakref.ref(entry), weakref.ref(dispatcher)
+
+    def on_plan(plan: Plan) -> None:
+        entry, dispatcher = entry_ref(), owner_ref()
+        if entry is not None:
+            entry.plan = plan
+        if dispatcher is not None:
+            dispatcher.owner.__dict__["plan"] = plan
+
+    def on_usage(seen: OutputUsage, planned: OutputUsage, peak: SeenPeak | None = None) -> None:
+        dispatcher = owner_ref()
+        if dispatcher is not None:
+            # the next call with this signature plans for everything seen so far: a caller whose use varies
+            # from step to step (garbage collected late, an extra loss now and then) converges on one plan
+            wanted = seen.union(dispatcher.usage.get(_usage_key(base)))
+            if wanted != planned:
+                dispatcher.usage[_usage_key(base)] = wanted
+        warn_if_underplanned(seen, planned, s.budget.spec is not None, peak)
+
+    # the budget as this signature's programs see it: a forward-only one takes its training program's bytes
+    resolution = dispatcher.resolution.for_shapes(_shapes_key(base))
+    return PlanningBackend(
+        s, on_plan, resolution=resolution, carried=dispatcher.carried, usage=usage, on_usage=on_usage,
+        grads_at_start=bool(base and base[2]), cost_cache=dispatcher.cost_cache, state=_module_state(dispatcher.module),
+        first_micro_batch=_first_micro_batch(dispatcher, base) if base and base[2] else None,
+    )
+
+
+def _first_micro_batch(dispatcher: Dispatcher, base: tuple) -> Callable[[], Plan | None]:
+    """For an accumulation step's planner: the plan of the same signature without gradients to start with, when
+    asked (weakly: the entries may be dropped meanwhile)."""
+    owner_ref = weakref.ref(dispatcher)
+
+    def plan() -> Plan | None:
+        dispatcher = owner_ref()
+        if dispatcher is None:
+            return None
+        for (other, _usage), entry in reversed(dispatcher.entries.items()):
+            if not other[2] and other[:2] == base[:2] and other[3:] == base[3:] and entry.plan is not None:
+                return entry.plan
+        return None
+
+    return plan
+
+
+def _module_state(module: torch.nn.Module | None) -> Callable[[], list] | None:
+    """The module's named parameters and buffers when asked (weakly: a plan must not keep it alive)."""
+    if module is None:
+        return None
+    ref = weakref.ref(module)
+
+    def state() -> list:
+        module = ref()
+        return [] if module is None else [*module.named_parameters(), *module.named_buffers()]
+
+    return state
 
 
 _INSTALLED = ("_compiled_call_impl", "plan", "__reduce_ex__", "__deepcopy__")  # what _install puts in an optimized module's __dict__
@@ -516,117 +528,53 @@ def optimize(
     deterministic: bool | None = None,
     chunking: bool | int | str | None = None,
     start_from: BudgetInfeasibleError | Plan | PlanFile | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
-    """Plan `fn_or_module` to run within `mem_budget` at the least estimated time.
+    """Plan `fn_or_module` to run within `mem_budget` (peak device bytes of forward+backward: bytes, "12GB",
+    "60%" of each training program's unplanned peak, "auto" on CUDA, or None for the fastest plan) at the least
+    estimated time.
 
-    mem_budget: peak bytes of everything on the device during forward+backward
-    (parameters, buffers, inputs, activations, gradients, temporaries): an int of
-    bytes, a string with a unit ("12GB", "512MiB", "1.5 GiB"), a percentage of the
-    unplanned peak ("60%"), "auto" (CUDA only: the memory the device has free at the
-    first call, plus what the step's inputs already hold there, less a headroom of 5% of
-    the device, at least 256 MiB; see optsched.budget.auto_budget), or None (fastest
-    plan, lowest peak among the fastest).
-    A percentage is a share of each training program's own unplanned peak: every input
-    signature (batch size, sequence length) gets that share of its own step, in whatever
-    order the shapes come. A forward-only program (eval, no_grad) takes the bytes of the
-    training program of the same shapes, else of the largest training program planned so
-    far, else (nothing trained yet) the percentage of its own peak. A smaller shape may use
-    the bytes already proven for a larger shape of the same program: a training program whose
-    own share is below its proven bound (a small last batch, dominated by the parameters and
-    gradients) takes the largest training program's bytes when they reach its bound (the plan's
-    notes and summary()["budget_from"] say so); before any larger one, it raises. A step that
-    accumulates into gradients already set whose own share no plan meets takes what the first
-    micro-batch's plan peaks at with the gradients live (which that plan meets).
-
-    A module comes back as a module of the same class that shares the original's
-    parameters, buffers and submodules; its copies (copy, deepcopy, pickle, torch.save)
-    stay optimized with the same settings and resolved budget and replay its plans.
-    Planning happens at the first call of each input signature (at most
-    SHAPE_CACHE_SIZE programs kept), or at once when `example_inputs` are given (one
-    forward is run on them and discarded). `result.plan` is the plan of the program the
-    latest call ran. A budget no plan can meet raises BudgetInfeasibleError.
-
-    time_limit_s: planning time limit; by default 0.02 s per op, at least 5 s and at most 30 s.
-    progress: show a live line (elapsed, best estimate, bound, gap) on stderr while solving.
-    offload: let saved activations wait in host memory between forward and backward,
-    copied on side streams that overlap compute, where that is cheaper than
-    recomputing them. None (default): on CUDA yes, on CPU no (there host memory is the
-    same memory). True on CPU runs the same program with a separate host pool (for tests).
-    A plan with offloads runs only on the kind of device its profile describes.
-    host_budget: host memory offloads may take: bytes, a size string ("64GB") or a
-    percentage of this machine's physical memory; default 50% of it.
-    executor: who runs fusion groups (chains of pointwise ops, casts and reductions that
-    the planner schedules as one kernel): "inductor" (TorchInductor per group, CPU or
-    CUDA), "nvfuser" (CUDA, optional extra) or "eager" (no fusion). None: nvfuser where
-    it loads on CUDA, otherwise eager.
-    plan: a plan file. If it exists and was made for this graph (fingerprint), budget,
-    profile, executor and offload setting, it is used without solving; if it does not
-    exist, the plan is solved and saved there. The same step at other input shapes (the same
-    ops, other sizes) has its own file beside it, named by its fingerprint (gpt.json,
-    gpt.3f9a0c12d4e5.json), read and written alike; a graph with other ops is a mismatch.
-    "auto": a file in the plan cache
-    ($OPTSCHED_CACHE_DIR, else the user cache folder: ~/.cache/optsched/plans on Linux) keyed by all of
-    these, at most 500 files and 1 GiB ($OPTSCHED_CACHE_MAX_FILES, $OPTSCHED_CACHE_MAX_BYTES), the least
-    recently used removed first.
-    on_mismatch: "error" (default: PlanMismatchError naming what differs) or "replan"
-    (solve again and overwrite the graph's file). A corrupted or edited file raises PlanFileError.
-    deterministic: the same plan on every run, machine and rank for the same op costs (a
-    device profile's, or a plan file's): CP-SAT single-threaded with a fixed seed, and every
-    time limit counted as work rather than wall seconds (so on a slow or busy machine planning
-    takes longer than time_limit_s). None (default) and True: on. False: CP-SAT races
-    min(8, cores) workers against the wall clock (on many cores it may find better plans in the
-    time; two runs may differ).
-    chunking: an LM head + cross-entropy in the training step (a matmul into a vocabulary, bias or not,
-    log-softmax, nll loss; HF causal LMs called with labels, bf16 logits upcast, the shift, tied
-    embeddings) may run in token chunks (2, 4, ..., 64), each chunk's loss and gradients computed at
-    once, so only one chunk's logits exist; the planner picks the count (the fastest plan within the
-    budget). Chunked gradients equal eager's to rounding, not bitwise (the weight's gradient is summed
-    chunk by chunk). None (default) and False: off, the graph as captured (gradients bitwise eager's);
-    an error then says when chunks could fit. "auto": only when needed: the graph as captured is
-    planned first, and chunk counts are tried only if it cannot meet the budget (the plan's notes then
-    say so). True: every count from the start (1, the captured graph, unless more chunks are faster or
-    needed). An int: that many chunks (1: as captured), not a choice. `plan.summary()["chunks"]` says
-    what was chosen; the plan's notes (chunking asked for) and a BudgetInfeasibleError say what was
-    tried, or why no chain was found.
-    start_from: a BudgetInfeasibleError an earlier optimize() of the same step raised (the lowest-peak plan
-    it found), an earlier optimized step's `plan`, or a plan file of the step (`optsched.load_plan(path)`,
-    in any process; one without a schedule is a ValueError): where this search starts (the plan is simulated
-    again here and dropped if it is not a plan of this step). The search depends on the budget, so another
-    budget may not find that plan by itself; with `mem_budget=err.lowest_peak_bytes, start_from=err` (or
-    `plan.predicted_peak_bytes, start_from=plan`) a plan within that peak is certain, and a lower budget
-    searches down from it.
-    Nothing else is carried between calls: the same arguments plan the same way in any process.
+    A module comes back as a module of the same class sharing the original's parameters, buffers and submodules
+    (its copies and pickles stay optimized and replay its plans); a function as a callable. Each input signature
+    is planned at its first call (or now, on `example_inputs`); `result.plan` is the plan of the program the latest
+    call ran. A budget no plan can meet raises BudgetInfeasibleError. Every argument, its type, default and
+    errors: docs/api.md ("Arguments"). Nothing else is carried between calls: the same arguments plan the same
+    way in any process.
     """
-    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
-    if budget.auto and not torch.cuda.is_available():
-        auto_device([])  # raises: "auto" needs a CUDA device, and says what to pass instead
-    if on_mismatch not in ("error", "replan"):
-        raise ValueError(f"on_mismatch must be 'error' or 'replan', got {on_mismatch!r}")
-    if plan is not None and not isinstance(plan, (str, os.PathLike)):
-        raise ValueError(f"plan must be a path or 'auto', got {plan!r}")
-    from .plans.cache import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
-
-    check_plan_option(plan, stacklevel=3)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
+    settings = _checked_settings(
+        mem_budget, device_profile, time_limit_s, progress, offload, host_budget, executor, plan, on_mismatch,
+        deterministic, chunking, start_from, optimizer,
+    )
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
     fn_or_module = _unoptimized(fn_or_module)
 
-    if deterministic not in (None, True, False):
-        raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
-    settings = PlanningSettings(
-        budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic,
-        chunking, _start_plan(start_from),
-    )
     if isinstance(fn_or_module, torch.nn.Module):
         _refuse_fsdp(fn_or_module)
         target = _shallow_copy(fn_or_module)  # shares parameters, buffers and submodules
-        _install(target, settings, BudgetResolution(budget)).sync = AttributeSync(target, fn_or_module)
+        _install(target, settings, BudgetResolution(settings.budget)).sync = AttributeSync(target, fn_or_module)
     else:
-        target = OptimizedFunction(fn_or_module, Dispatcher(settings, BudgetResolution(budget), fn=fn_or_module))
+        target = OptimizedFunction(fn_or_module, Dispatcher(settings, BudgetResolution(settings.budget), fn=fn_or_module))
 
     if example_inputs is not None:
         _plan_now(target, tuple(example_inputs))
     return target
+
+
+def _checked_settings(mem_budget, device_profile, time_limit_s, progress, offload, host_budget, executor, plan,
+                      on_mismatch, deterministic, chunking, start_from, optimizer) -> PlanningSettings:
+    """optimize()'s options, every one checked now: none is first checked at the first call."""
+    budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
+    settings = PlanningSettings(
+        budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic,
+        chunking, _start_plan(start_from), optimizer,
+    )
+    if budget.auto and not torch.cuda.is_available():
+        auto_device([])  # raises: "auto" needs a CUDA device, and says what to pass instead
+    from .plans.cache import check_plan_option  # a path that cannot be written: PlanFileError now, before any solving
+
+    check_plan_option(plan, stacklevel=4)  # "auto" with an unwritable cache: one PlanCacheWarning, planning goes on
+    return settings
 
 
 def _start_plan(start_from: Any):

@@ -1,10 +1,16 @@
 """Parse memory budgets (bytes, sizes with units, a share of the unplanned peak, or "auto": what a CUDA
-device has free at the first call) and the planning options `optimize` and `plan_offline` share."""
+device has free at the first call) and check the planning options `optimize` and `plan_offline` share
+(`check_options`). A parsed budget becomes a kind (`FixedBytes`, `AutoBytes`, `ShareOfPeak`, behind the
+`BudgetKind` protocol) that answers, per program, the bytes it gets and how (`BudgetResolution`)."""
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from copy import copy as shallow_copy
+from dataclasses import dataclass, field
+from typing import Protocol
 
 _UNITS = {
     "b": 1,
@@ -95,18 +101,50 @@ def parse_planning_options(
 ) -> tuple[Budget, Budget]:
     """Check the options `optimize` and `plan_offline` share, with the same messages; returns the
     device budget and the host budget. `auto`: mem_budget="auto" is accepted (optimize(), not plan_offline)."""
-    from .executors import NAMES as executors  # torch-free
-
     budget = parse_budget(mem_budget, auto=auto)
     host = parse_budget(host_budget, name="host_budget", of="this machine's physical memory")
-    if offload is not None and not isinstance(offload, bool):
-        raise ValueError(f"offload must be None (automatic), True or False, got {offload!r}")
-    if executor is not None and (not isinstance(executor, str) or executor.lower() not in executors):
-        raise ValueError(f"unknown executor {executor!r}; known: {', '.join(executors)}")
-    positive_number = isinstance(time_limit_s, (int, float)) and not isinstance(time_limit_s, bool) and time_limit_s > 0
-    if time_limit_s is not None and not positive_number:
-        raise ValueError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+    check_options(offload=offload, executor=executor, time_limit_s=time_limit_s)
     return budget, host
+
+
+def _option_rules(v: object) -> dict[str, tuple[bool, str]]:
+    """Per option of optimize() (a PlanningSettings field): whether `v` is accepted, and the error if not."""
+    from .costs.profiles import PROFILES, DeviceProfile  # torch-free
+    from .executors import NAMES as executors  # torch-free
+
+    flag = v is None or isinstance(v, bool)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return {
+        "device_profile": (v is None or isinstance(v, DeviceProfile) or (isinstance(v, str) and v.lower() in PROFILES),
+                           f"unknown device profile {v!r}; known: {', '.join(sorted(PROFILES))}"),
+        "time_limit_s": (v is None or (number and v > 0), f"time_limit_s must be a positive number of seconds, got {v!r}"),
+        "progress": (isinstance(v, bool), f"progress must be True or False, got {v!r}"),
+        "offload": (flag, f"offload must be None (automatic), True or False, got {v!r}"),
+        "executor": (v is None or (isinstance(v, str) and v.lower() in executors),
+                     f"unknown executor {v!r}; known: {', '.join(executors)}"),
+        "plan": (v is None or isinstance(v, (str, os.PathLike)), f"plan must be a path or 'auto', got {v!r}"),
+        "on_mismatch": (isinstance(v, str) and v in ("error", "replan"), f"on_mismatch must be 'error' or 'replan', got {v!r}"),
+        "deterministic": (flag, f"deterministic must be True, False or None, got {v!r}"),
+        "optimizer": (v is None or _is_optimizer(v), f"optimizer must be a torch.optim.Optimizer, got {type(v).__name__}"),
+        "chunking": (flag or (v == "auto" if isinstance(v, str) else isinstance(v, int) and v >= 1),
+                     f"chunking must be True, False, None, 'auto' or a chunk count (an int from 1), got {v!r}"),
+    }
+
+
+def _is_optimizer(v: object) -> bool:
+    import torch
+
+    return isinstance(v, torch.optim.Optimizer)
+
+
+def check_options(**options: object) -> None:
+    """Raise ValueError, naming the option and what it accepts, for the first of `options` (optimize()'s
+    keyword arguments) that is not accepted. PlanningSettings checks every field when it is built, so a bad
+    option fails at optimize() (or plan_offline()), not at the first call that plans."""
+    for name, value in options.items():
+        ok, error = _option_rules(value)[name]
+        if not ok:
+            raise ValueError(error)
 
 
 AUTO_HEADROOM_SHARE = 0.05  # "auto" leaves this share of the device's total memory unused...
@@ -230,242 +268,371 @@ LARGER_TRAINING_PROGRAM = "a larger training program"
 FIRST_MICRO_BATCH = "the first micro-batch's plan"
 AUTO_SOURCE = "the device's free memory at the first call"
 TRAINING_SHAPES_KEPT = 1024  # training signatures a resolution remembers the bytes of, the oldest forgotten first
+_MIB = 2**20
 
 
-class BudgetResolution:
-    """A budget as one optimized callable means it, shared by all the programs it compiles (every
-    input signature, grad mode and train/eval mode) and carried by its copies.
+@dataclass(frozen=True)
+class PeakRecord:
+    """A training program planned under a share of its peak: the bytes it got, its unplanned peak and its
+    fingerprint hash. What a forward-only program, or a smaller shape below its bound, may take from it."""
 
-    A percentage is a share of a training program's (forward+backward) own unplanned peak, for every
-    training signature apart: a loop whose shapes change (bucketed or growing sequence lengths, a smaller
-    last batch) gets that share of each step's own peak, whatever the order the shapes come in. Bytes are
-    fixed only when the user gives bytes. A forward-only program (eval, no_grad) takes the bytes of the
-    training program it evaluates: the one of the same shapes (`SAME_SHAPES`: the same input shapes,
-    strides, dtypes, devices and constants, whatever the grad mode, train/eval mode, requires_grad and
-    accumulation) when one was planned, else the largest planned so far (`LARGEST_TRAINING_PROGRAM`: the
-    most bytes the loop was already given), else, with no training program planned yet, the percentage of
-    its own unplanned peak (`THIS_PROGRAM`), which a forward-only program rarely reaches: it saves no
-    activations to recompute. Those bytes are recorded per training signature (`record_training`, the
-    larger when two programs share shapes, e.g. with and without gradients to accumulate into) and carried
-    by copies. `shapes` is the key of a signature (the Dispatcher's, `for_shapes`); None (plan_offline)
-    records no signature, and a forward-only program then takes the largest training program's bytes.
+    nbytes: int
+    unplanned_peak_bytes: int
+    fingerprint: str | None
 
-    A smaller shape may use the bytes already given to a larger shape of the same program: a training
-    program whose own share is below its proven bound (no plan can fit it: at a small last batch the
-    parameters and gradients, which do not shrink with the batch, dominate the peak) takes the bytes of the
-    largest training program planned so far when they are not below that bound (`lend_larger`,
-    `LARGER_TRAINING_PROGRAM`): memory the loop has already been allowed. With no larger one planned yet (the
-    small shape first) it raises, saying so (`explain_below_bound`).
+    def as_dict(self) -> dict:
+        """As plan files (`budget_from`, `budget_reference`) and the planner read it."""
+        return {"unplanned_peak_bytes": self.unplanned_peak_bytes, "fingerprint": self.fingerprint, "bytes": self.nbytes}
 
-    "auto" is resolved once, at the first call, before anything is captured (`resolve_auto`), from the
-    device's memory then; from then on it means those bytes for every program. Budgets in bytes (and no
-    budget) need no resolving."""
+    @classmethod
+    def of(cls, record: PeakRecord | Mapping | None) -> PeakRecord | None:
+        """A record from its dict form (`as_dict`, old pickles); a record or None as it is."""
+        if record is None or isinstance(record, PeakRecord):
+            return record
+        return cls(record["bytes"], record.get("unplanned_peak_bytes", 0), record.get("fingerprint"))
 
-    auto: dict | None = None  # how "auto" was resolved (auto_budget's figures); a class default for old pickles
 
-    def __init__(self, budget: Budget, nbytes: int | None = None, *, auto: dict | None = None,
-                 trained: dict | None = None, largest: dict | None = None):
-        self.budget = budget
-        self.nbytes = nbytes  # the resolved bytes of "auto", once resolved
-        self.auto = auto
-        # the training programs planned under a percentage, {"bytes", "unplanned_peak_bytes", "fingerprint"}:
-        # per signature's shapes, and the one with the most bytes
-        self.trained: dict[str, dict] = {k: dict(v) for k, v in (trained or {}).items()}
-        self.largest = dict(largest) if largest else None
+class BudgetKind(Protocol):
+    """What a budget answers for each program of one optimized callable: `training` (the program has a
+    backward) and `shapes` (its signature's key; None for plan_offline's) say which program asks. Only a share
+    of each program's peak lends bytes between programs: the others give every program the same bytes, and
+    the lending questions' defaults below are their answers."""
 
-    def __setstate__(self, state: dict) -> None:
-        """Pickles made before issue 24 fixed a percentage's bytes at the first training program (`nbytes`,
-        `reference`): those are bytes a training program was given, which forward-only programs may take."""
-        state = dict(state)
-        reference = state.pop("reference", None) or {}
-        if state["budget"].fraction is not None and state.get("nbytes") is not None:
-            state.setdefault("largest", {"unplanned_peak_bytes": reference.get("unplanned_peak_bytes", 0),
-                                         "fingerprint": reference.get("fingerprint"), "bytes": state["nbytes"]})
-            state["nbytes"] = None
-        state.setdefault("trained", {})
-        state.setdefault("largest", None)
-        self.__dict__.update(state)
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool, shapes: str | None) -> int | None:
+        """The budget of a program with this unplanned peak (None: no budget)."""
 
-    @property
-    def is_percentage(self) -> bool:
-        return self.budget.fraction is not None
+    def fixed_bytes(self, training: bool, shapes: str | None) -> int | None:
+        """The bytes a program gets whatever its own peak, known before its ops are timed (None: not known)."""
 
-    @property
-    def resolved(self) -> bool:
-        """Bytes fixed for every program: "auto" once resolved (a percentage never is)."""
-        return self.nbytes is not None
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None, training: bool, shapes: str | None,
+               ) -> dict | None:
+        """How the program got its bytes, as plans record it (Plan.budget_from); None for bytes given."""
+
+    def made_for(self, training: bool, shapes: str | None) -> dict:
+        """What a plan file must have been made for, beyond the budget's spec, to be reused for the program."""
+
+    def explain(self, unplanned_peak_bytes: int, training: bool, shapes: str | None) -> str | None:
+        """For error messages: how the program got its bytes (None: bytes given)."""
+
+    def copy(self) -> BudgetKind:
+        """The kind as a copy of the optimized callable starts with it: what it learned so far, its own from then."""
+
+    needs_device: bool = False  # "auto" not resolved yet: the first call reads the device (AutoBytes.resolve)
+    largest: PeakRecord | None = None  # the training program given the most bytes so far
+
+    def lender(self, training: bool, shapes: str | None) -> tuple[str, PeakRecord] | None:
+        """The training program a forward-only program takes its bytes from (which, and its record)."""
+        return None
+
+    def record_training(self, record: PeakRecord, shapes: str | None) -> None:
+        """A training program was planned (or replayed) with its share of its unplanned peak."""
+
+    def lend_larger(self, own_bytes: int, bound_bytes: int, training: bool) -> PeakRecord | None:
+        """For a training program whose own bytes are below its proven bound: a larger one's record to take."""
+        return None
+
+    def explain_below_bound(self, own_bytes: int, bound_bytes: int, training: bool) -> str | None:
+        """For the error of a program below its bound that took no larger one's bytes: why not."""
+        return None
+
+
+@dataclass(frozen=True)
+class FixedBytes(BudgetKind):
+    """Bytes the user gave (`nbytes`; None: no budget), the same for every program."""
+
+    nbytes: int | None
+
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int | None:
+        return self.nbytes
+
+    def fixed_bytes(self, training: bool = True, shapes: str | None = None) -> int | None:
+        return self.nbytes
+
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True,
+               shapes: str | None = None) -> dict | None:
+        return None
+
+    def made_for(self, training: bool = True, shapes: str | None = None) -> dict:
+        return {}  # the spec is the bytes
+
+    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str | None:
+        return None
+
+    def copy(self) -> FixedBytes:
+        return self
+
+
+@dataclass
+class AutoBytes(BudgetKind):
+    """mem_budget="auto": bytes the device's free memory decides at the first call, before anything is captured
+    (`resolve`), then the same for every program. `detail`: how they were reached (auto_budget's figures)."""
+
+    nbytes: int | None = None
+    detail: dict | None = None
 
     @property
     def needs_device(self) -> bool:
-        """"auto", not resolved yet: the first call resolves it (`resolve_auto`) before anything is captured."""
-        return self.budget.auto and self.nbytes is None
+        return self.nbytes is None
 
-    def resolve_auto(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
-        """Fix "auto"'s bytes from the device the call's tensors are on (`auto_budget`); `memory` for tests.
+    def resolve(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
+        """Fix the bytes from the device the call's tensors are on (`auto_budget`); `memory` for tests.
         ValueError when the step is not on a CUDA device or nothing is left for it."""
         tensors = step_tensors(module, args, kwargs)
         device = auto_device(tensors)
         detail = auto_budget(memory if memory is not None else DeviceMemory.of(device), resident_bytes(tensors, device))
-        self.nbytes, self.auto = detail["bytes"], detail
+        self.nbytes, self.detail = detail["bytes"], detail
 
-    def for_shapes(self, shapes: str | None) -> SignatureResolution:
-        """This resolution as the programs of one input signature see it (what they record is shared)."""
-        return SignatureResolution(self, shapes)
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int:
+        if self.nbytes is None:
+            raise RuntimeError("mem_budget='auto' was not resolved before planning: the optimized callable's first "
+                               "call resolves it (BudgetResolution.resolve_auto)")
+        return self.nbytes
 
-    def lender(self, training: bool, shapes: str | None = None) -> tuple[str, dict] | None:
-        """Under a percentage, the training program a forward-only program takes its bytes from (which, and
-        its record); None for a training program, before any training program, or for other budgets."""
-        if self.budget.fraction is None or training:
+    def fixed_bytes(self, training: bool = True, shapes: str | None = None) -> int | None:
+        return self.nbytes
+
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True,
+               shapes: str | None = None) -> dict:
+        return {"program": AUTO_SOURCE, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
+                "bytes": self.nbytes, "auto": dict(self.detail or {})}
+
+    def made_for(self, training: bool = True, shapes: str | None = None) -> dict:
+        return {"budget_resolved_bytes": self.nbytes}
+
+    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str:
+        a = self.detail or {}
+        cap = f", capped at {a['limit_bytes'] / _MIB:.0f} MiB" if a.get("limit_bytes") is not None else ""
+        return (
+            f"the budget 'auto' was resolved at the first call on {a.get('device')}: {a.get('available_bytes', 0) / _MIB:.0f} "
+            f"MiB available (free {a.get('free_bytes', 0) / _MIB:.0f} MiB + cached "
+            f"{(a.get('reserved_bytes', 0) - a.get('allocated_bytes', 0)) / _MIB:.0f} MiB{cap}) + the step's inputs "
+            f"{a.get('resident_bytes', 0) / _MIB:.0f} MiB - headroom {a.get('headroom_bytes', 0) / _MIB:.0f} MiB = "
+            f"{(self.nbytes or 0) / _MIB:.0f} MiB, and means those bytes for every later program; this program's "
+            f"unplanned peak is {unplanned_peak_bytes / _MIB:.2f} MiB"
+        )
+
+    def copy(self) -> AutoBytes:
+        return AutoBytes(self.nbytes, dict(self.detail) if self.detail else None)
+
+
+@dataclass
+class ShareOfPeak(BudgetKind):
+    """A percentage: a share of each training program's (forward+backward) own unplanned peak, for every
+    training signature apart, so a loop whose shapes change (bucketed or growing sequence lengths, a smaller
+    last batch) gets that share of each step's own peak, whatever the order the shapes come in.
+
+    A forward-only program (eval, no_grad) takes the bytes of the training program it evaluates: the one of
+    the same shapes (`SAME_SHAPES`: the same input shapes, strides, dtypes, devices and constants, whatever
+    the grad mode, train/eval mode, requires_grad and accumulation) when one was planned, else the largest
+    planned so far (`LARGEST_TRAINING_PROGRAM`: the most bytes the loop was already given), else, with no
+    training program planned yet, the share of its own unplanned peak (`THIS_PROGRAM`), which a forward-only
+    program rarely reaches: it saves no activations to recompute. Those bytes are recorded per training
+    signature (`trained`, the larger when two programs share shapes, e.g. with and without gradients to
+    accumulate into); with no signature (plan_offline) a forward-only program takes the largest's.
+
+    A training program whose own share is below its proven bound (no plan can fit it: at a small last batch
+    the parameters and gradients, which do not shrink with the batch, dominate the peak) takes the bytes of
+    the largest training program planned so far when they are not below that bound (`lend_larger`,
+    `LARGER_TRAINING_PROGRAM`): memory the loop has already been allowed. With no larger one planned yet (the
+    small shape first) it raises, saying so (`explain_below_bound`)."""
+
+    budget: Budget
+    trained: dict[str, PeakRecord] = field(default_factory=dict, repr=False)  # per signature's shapes, the latest last
+    largest: PeakRecord | None = None
+
+    def own(self, unplanned_peak_bytes: int) -> int:
+        """The share of a program's own unplanned peak."""
+        return self.budget.resolve(unplanned_peak_bytes)
+
+    def lender(self, training: bool, shapes: str | None) -> tuple[str, PeakRecord] | None:
+        """None for a training program, and for a forward-only one before any training program."""
+        if training:
             return None
         if shapes is not None and shapes in self.trained:
             return SAME_SHAPES, self.trained[shapes]
-        if self.largest is not None:
-            return LARGEST_TRAINING_PROGRAM, self.largest
-        return None
+        return (LARGEST_TRAINING_PROGRAM, self.largest) if self.largest is not None else None
+
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int:
+        lender = self.lender(training, shapes)
+        return lender[1].nbytes if lender is not None else self.own(unplanned_peak_bytes)
 
     def fixed_bytes(self, training: bool = True, shapes: str | None = None) -> int | None:
-        """The bytes a program gets whatever its own peak, known before its ops are timed: bytes given, "auto"
-        resolved, a forward-only program's lender's. None for no budget and for a share of its own peak."""
-        if self.budget.auto:
-            return self.nbytes
-        if self.budget.fraction is None:
-            return self.budget.nbytes
         lender = self.lender(training, shapes)
-        return lender[1]["bytes"] if lender is not None else None
-
-    def lend_larger(self, own_bytes: int, bound_bytes: int, training: bool = True) -> dict | None:
-        """Under a percentage, for a training program whose own share (`own_bytes`) is below its proven bound
-        (`bound_bytes`): the record of the largest training program planned so far ({"bytes",
-        "unplanned_peak_bytes", "fingerprint"}) when its bytes are not below that bound; else None (raise)."""
-        if self.budget.fraction is None or not training or own_bytes >= bound_bytes or self.largest is None:
-            return None
-        return self.largest if self.largest["bytes"] >= bound_bytes else None
-
-    def explain_lent(self, record: dict, own_bytes: int, bound_bytes: int, unplanned_peak_bytes: int) -> str:
-        """How a training program came to plan with a larger one's bytes (`lend_larger`), for its notes."""
-        mib = 2**20
-        spec = self.budget.spec
-        return (
-            f"budget: {spec} of this training program's unplanned peak ({unplanned_peak_bytes / mib:.2f} MiB) is "
-            f"{own_bytes / mib:.2f} MiB, below the {bound_bytes / mib:.2f} MiB every plan of it needs; planned with "
-            f"{record['bytes'] / mib:.2f} MiB, the bytes {spec} gave {LARGER_TRAINING_PROGRAM} of this callable "
-            f"(unplanned peak {record['unplanned_peak_bytes'] / mib:.2f} MiB): memory the loop was already allowed"
-        )
-
-    def explain_below_bound(self, own_bytes: int, bound_bytes: int, training: bool = True) -> str | None:
-        """For the error of a training program whose own share is below its bound and that took no larger
-        program's bytes: why not (none planned yet, or theirs are below the bound too). None otherwise."""
-        if self.budget.fraction is None or not training or own_bytes >= bound_bytes:
-            return None
-        mib = 2**20
-        if self.largest is None or self.largest["bytes"] <= own_bytes:
-            return ("no larger training program of this callable was planned before this one: a smaller shape whose "
-                    "own share is below its bound takes the bytes a larger shape was given, once one is planned")
-        return (f"the most bytes {self.budget.spec} gave a training program of this callable, "
-                f"{self.largest['bytes'] / mib:.2f} MiB, are below this bound too")
-
-    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int | None:
-        """The budget of a program with this unplanned peak (`training`: it has a backward)."""
-        if self.budget.auto:
-            if self.nbytes is None:
-                raise RuntimeError("mem_budget='auto' was not resolved before planning: the optimized callable's first "
-                                   "call resolves it (BudgetResolution.resolve_auto)")
-            return self.nbytes
-        if self.budget.fraction is None:
-            return self.budget.nbytes
-        lender = self.lender(training, shapes)
-        return lender[1]["bytes"] if lender is not None else self.budget.resolve(unplanned_peak_bytes)
+        return lender[1].nbytes if lender is not None else None
 
     def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True,
-               shapes: str | None = None) -> dict | None:
-        """How a program with this unplanned peak gets its bytes (Plan.budget_from), None unless a percentage:
-        the program the percentage is taken of (which, its unplanned peak, its fingerprint hash) and the bytes.
-        For "auto": AUTO_SOURCE, this program's unplanned peak, the bytes and how they were reached ("auto")."""
-        if self.budget.auto:
-            return {"program": AUTO_SOURCE, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
-                    "bytes": self.nbytes, "auto": dict(self.auto or {})}
-        if self.budget.fraction is None:
-            return None
-        lender = self.lender(training, shapes)
-        if lender is not None:
-            program, record = lender
-            return {"program": program, "unplanned_peak_bytes": record["unplanned_peak_bytes"],
-                    "fingerprint": record["fingerprint"], "bytes": record["bytes"]}
-        return {"program": THIS_PROGRAM, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint,
-                "bytes": self.budget.resolve(unplanned_peak_bytes)}
+               shapes: str | None = None) -> dict:
+        """The program the share is taken of (which, its unplanned peak, its fingerprint hash) and the bytes."""
+        program, record = self.lender(training, shapes) or (
+            THIS_PROGRAM, PeakRecord(self.own(unplanned_peak_bytes), unplanned_peak_bytes, fingerprint))
+        return {"program": program, **record.as_dict()}
 
     def made_for(self, training: bool = True, shapes: str | None = None) -> dict:
-        """What a plan file must have been made for, beyond the budget's spec, to be reused now, so that a
-        plan is never reused for other bytes: a percentage of the program's own peak (`budget_from: "this
-        program"`: the fingerprint and the spec determine the bytes), or the bytes a forward-only program
-        takes from a training program (`budget_resolved_bytes`; a plan made for the same bytes is reused,
-        whichever program they came from). "auto": its resolved bytes."""
-        if self.budget.auto:
-            return {"budget_resolved_bytes": self.nbytes}
-        if self.budget.fraction is None:
-            return {}
+        """A share of the program's own peak (the fingerprint and the spec determine the bytes), or the bytes a
+        forward-only program takes (a plan made for the same bytes is reused, whichever program they came from)."""
         lender = self.lender(training, shapes)
-        if lender is not None:
-            return {"budget_resolved_bytes": lender[1]["bytes"]}
-        return {"budget_from": THIS_PROGRAM}
+        return {"budget_resolved_bytes": lender[1].nbytes} if lender is not None else {"budget_from": THIS_PROGRAM}
 
-    def record_training(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None,
-                        shapes: str | None = None) -> None:
-        """A training program was planned (or replayed) with `nbytes`, the percentage of its unplanned peak:
-        the bytes forward-only programs of its shapes take, and the largest for those of shapes not trained."""
-        if self.budget.fraction is None:
-            return
-        record = {"bytes": nbytes, "unplanned_peak_bytes": unplanned_peak_bytes, "fingerprint": fingerprint}
-        if shapes is not None:
-            had = self.trained.pop(shapes, None)  # put back last: the most recently planned are kept
-            self.trained[shapes] = record if had is None or nbytes > had["bytes"] else had
-            while len(self.trained) > TRAINING_SHAPES_KEPT:
-                del self.trained[next(iter(self.trained))]
-        if self.largest is None or nbytes > self.largest["bytes"]:
-            self.largest = record
-
-    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str | None:
-        """For error messages: how a program with this unplanned peak got its bytes (None: bytes given)."""
-        mib = 2**20
-        here = f"this program's unplanned peak is {unplanned_peak_bytes / mib:.2f} MiB"
-        if self.budget.auto:
-            a = self.auto or {}
-            cap = f", capped at {a['limit_bytes'] / mib:.0f} MiB" if a.get("limit_bytes") is not None else ""
-            return (
-                f"the budget 'auto' was resolved at the first call on {a.get('device')}: {a.get('available_bytes', 0) / mib:.0f} "
-                f"MiB available (free {a.get('free_bytes', 0) / mib:.0f} MiB + cached "
-                f"{(a.get('reserved_bytes', 0) - a.get('allocated_bytes', 0)) / mib:.0f} MiB{cap}) + the step's inputs "
-                f"{a.get('resident_bytes', 0) / mib:.0f} MiB - headroom {a.get('headroom_bytes', 0) / mib:.0f} MiB = "
-                f"{(self.nbytes or 0) / mib:.0f} MiB, and means those bytes for every later program; {here}"
-            )
-        if self.budget.fraction is None:
-            return None
-        spec = self.budget.spec
+    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str:
+        spec, here = self.budget.spec, f"this program's unplanned peak is {unplanned_peak_bytes / _MIB:.2f} MiB"
         lender = self.lender(training, shapes)
         if lender is not None:
             program, record = lender
             return (
                 f"the budget {spec!r} gives a forward-only program the bytes of {program} this callable planned "
-                f"({spec} of its unplanned peak of {record['unplanned_peak_bytes'] / mib:.2f} MiB = "
-                f"{record['bytes'] / mib:.2f} MiB), and {here}"
+                f"({spec} of its unplanned peak of {record.unplanned_peak_bytes / _MIB:.2f} MiB = "
+                f"{record.nbytes / _MIB:.2f} MiB), and {here}"
             )
-        nbytes = self.budget.resolve(unplanned_peak_bytes)
+        nbytes = self.own(unplanned_peak_bytes)
         if training:
             return (f"the budget {spec!r} is {spec} of each training program's own unplanned peak: here "
-                    f"{unplanned_peak_bytes / mib:.2f} MiB, so {nbytes / mib:.2f} MiB")
+                    f"{unplanned_peak_bytes / _MIB:.2f} MiB, so {nbytes / _MIB:.2f} MiB")
         return (
-            f"the budget {spec!r} is {spec} of this forward-only program's own unplanned peak ({unplanned_peak_bytes / mib:.2f} "
-            f"MiB, so {nbytes / mib:.2f} MiB): no training program was planned before it (once one is, forward-only "
+            f"the budget {spec!r} is {spec} of this forward-only program's own unplanned peak ({unplanned_peak_bytes / _MIB:.2f} "
+            f"MiB, so {nbytes / _MIB:.2f} MiB): no training program was planned before it (once one is, forward-only "
             "programs take a training program's bytes)"
         )
 
+    def record_training(self, record: PeakRecord, shapes: str | None) -> None:
+        """The bytes forward-only programs of its shapes take, and the largest for those of shapes not trained."""
+        if shapes is not None:
+            had = self.trained.pop(shapes, None)  # put back last: the most recently planned are kept
+            self.trained[shapes] = record if had is None or record.nbytes > had.nbytes else had
+            while len(self.trained) > TRAINING_SHAPES_KEPT:
+                del self.trained[next(iter(self.trained))]
+        if self.largest is None or record.nbytes > self.largest.nbytes:
+            self.largest = record
+
+    def lend_larger(self, own_bytes: int, bound_bytes: int, training: bool = True) -> PeakRecord | None:
+        """The largest training program's record when its bytes are not below the bound; else None (raise)."""
+        if not training or own_bytes >= bound_bytes or self.largest is None:
+            return None
+        return self.largest if self.largest.nbytes >= bound_bytes else None
+
+    def explain_lent(self, record: PeakRecord, own_bytes: int, bound_bytes: int, unplanned_peak_bytes: int) -> str:
+        """How a training program came to plan with a larger one's bytes (`lend_larger`), for its notes."""
+        spec = self.budget.spec
+        return (
+            f"budget: {spec} of this training program's unplanned peak ({unplanned_peak_bytes / _MIB:.2f} MiB) is "
+            f"{own_bytes / _MIB:.2f} MiB, below the {bound_bytes / _MIB:.2f} MiB every plan of it needs; planned with "
+            f"{record.nbytes / _MIB:.2f} MiB, the bytes {spec} gave {LARGER_TRAINING_PROGRAM} of this callable "
+            f"(unplanned peak {record.unplanned_peak_bytes / _MIB:.2f} MiB): memory the loop was already allowed"
+        )
+
+    def explain_below_bound(self, own_bytes: int, bound_bytes: int, training: bool = True) -> str | None:
+        """Why no larger program's bytes were taken: none planned yet, or theirs are below the bound too."""
+        if not training or own_bytes >= bound_bytes:
+            return None
+        if self.largest is None or self.largest.nbytes <= own_bytes:
+            return ("no larger training program of this callable was planned before this one: a smaller shape whose "
+                    "own share is below its bound takes the bytes a larger shape was given, once one is planned")
+        return (f"the most bytes {self.budget.spec} gave a training program of this callable, "
+                f"{self.largest.nbytes / _MIB:.2f} MiB, are below this bound too")
+
+    def copy(self) -> ShareOfPeak:
+        return ShareOfPeak(self.budget, dict(self.trained), self.largest)
+
+
+def budget_kind(budget: Budget, nbytes: int | None = None, *, auto: dict | None = None,
+                trained: Mapping | None = None, largest: PeakRecord | Mapping | None = None) -> BudgetKind:
+    """The kind of a parsed budget; `nbytes`, `auto`: "auto"'s bytes and figures once resolved; `trained`,
+    `largest`: a share's training programs so far (records or their dicts)."""
+    if budget.auto:
+        return AutoBytes(nbytes, auto)
+    if budget.fraction is not None:
+        return ShareOfPeak(budget, {k: PeakRecord.of(v) for k, v in (trained or {}).items()}, PeakRecord.of(largest))
+    return FixedBytes(budget.nbytes)
+
+
+class BudgetResolution:
+    """A budget as one optimized callable means it, shared by all the programs it compiles (every input
+    signature, grad mode and train/eval mode) and carried by its copies: a thin façade over its kind
+    (`FixedBytes`, `AutoBytes`, `ShareOfPeak`), which answers every question. `shapes` is the key of a
+    signature (the Dispatcher's, `for_shapes`); None (plan_offline) records no signature. Records come out
+    as dicts ({"bytes", "unplanned_peak_bytes", "fingerprint"}) where the planner and plan files read them."""
+
+    def __init__(self, budget: Budget, nbytes: int | None = None, *, auto: dict | None = None,
+                 trained: dict | None = None, largest: dict | None = None):
+        self.budget = budget
+        self.kind: BudgetKind = budget_kind(budget, nbytes, auto=auto, trained=trained, largest=largest)
+
+    def __setstate__(self, state: dict) -> None:
+        """Pickles made before budgets had kinds hold the kind's state in the resolution ("nbytes", "auto",
+        "trained", "largest"); those made before issue 24 fixed a percentage's bytes at the first training
+        program ("nbytes", "reference"): bytes a training program was given, which forward-only programs may take."""
+        if "kind" in state:
+            self.__dict__.update(state)
+            return
+        budget, nbytes, largest = state["budget"], state.get("nbytes"), state.get("largest")
+        if budget.fraction is not None and nbytes is not None:
+            reference = state.get("reference") or {}
+            largest = largest or {"bytes": nbytes, "unplanned_peak_bytes": reference.get("unplanned_peak_bytes", 0),
+                                  "fingerprint": reference.get("fingerprint")}
+        self.__init__(budget, nbytes, auto=state.get("auto"), trained=state.get("trained"), largest=largest)
+
+    @property
+    def is_percentage(self) -> bool:
+        return isinstance(self.kind, ShareOfPeak)
+
+    @property
+    def needs_device(self) -> bool:
+        """"auto", not resolved yet: the first call resolves it (`resolve_auto`) before anything is captured."""
+        return self.kind.needs_device
+
+    @property
+    def largest(self) -> dict | None:
+        """The record of the training program given the most bytes so far (a share's), as a dict."""
+        return self.kind.largest.as_dict() if self.kind.largest is not None else None
+
+    def resolve_auto(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
+        """Fix "auto"'s bytes from the device the call's tensors are on (AutoBytes.resolve)."""
+        self.kind.resolve(module, args, kwargs, memory)
+
+    def for_shapes(self, shapes: str | None) -> SignatureResolution:
+        """This resolution as the programs of one input signature see it (what they record is shared)."""
+        return SignatureResolution(self, shapes)
+
+    def lender(self, training: bool, shapes: str | None = None) -> tuple[str, PeakRecord] | None:
+        return self.kind.lender(training, shapes)
+
+    def fixed_bytes(self, training: bool = True, shapes: str | None = None) -> int | None:
+        return self.kind.fixed_bytes(training, shapes)
+
+    def lend_larger(self, own_bytes: int, bound_bytes: int, training: bool = True) -> dict | None:
+        record = self.kind.lend_larger(own_bytes, bound_bytes, training)
+        return record.as_dict() if record is not None else None
+
+    def explain_lent(self, record: dict | PeakRecord, own_bytes: int, bound_bytes: int, unplanned_peak_bytes: int) -> str:
+        """`record`: what `lend_larger` returned (only a share lends)."""
+        return self.kind.explain_lent(PeakRecord.of(record), own_bytes, bound_bytes, unplanned_peak_bytes)
+
+    def explain_below_bound(self, own_bytes: int, bound_bytes: int, training: bool = True) -> str | None:
+        return self.kind.explain_below_bound(own_bytes, bound_bytes, training)
+
+    def bytes_for(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> int | None:
+        return self.kind.bytes_for(unplanned_peak_bytes, training, shapes)
+
+    def source(self, unplanned_peak_bytes: int, fingerprint: str | None = None, training: bool = True,
+               shapes: str | None = None) -> dict | None:
+        return self.kind.source(unplanned_peak_bytes, fingerprint, training, shapes)
+
+    def made_for(self, training: bool = True, shapes: str | None = None) -> dict:
+        return self.kind.made_for(training, shapes)
+
+    def record_training(self, nbytes: int, unplanned_peak_bytes: int, fingerprint: str | None,
+                        shapes: str | None = None) -> None:
+        self.kind.record_training(PeakRecord(nbytes, unplanned_peak_bytes, fingerprint), shapes)
+
+    def explain(self, unplanned_peak_bytes: int, training: bool = True, shapes: str | None = None) -> str | None:
+        return self.kind.explain(unplanned_peak_bytes, training, shapes)
+
     def copy(self) -> BudgetResolution:
-        return BudgetResolution(self.budget, self.nbytes, auto=dict(self.auto) if self.auto else None,
-                                trained=self.trained, largest=self.largest)
+        new = shallow_copy(self)
+        new.kind = self.kind.copy()
+        return new
 
     def __repr__(self) -> str:
-        return (f"BudgetResolution({self.budget}, nbytes={self.nbytes}, trained={len(self.trained)} signatures, "
-                f"largest={self.largest})")
+        return f"BudgetResolution({self.budget}, {self.kind!r})"
 
 
 class SignatureResolution:
@@ -482,7 +649,7 @@ class SignatureResolution:
             raise AttributeError(name)
         return getattr(self.shared, name)
 
-    def lender(self, training: bool) -> tuple[str, dict] | None:
+    def lender(self, training: bool) -> tuple[str, PeakRecord] | None:
         return self.shared.lender(training, self.shapes)
 
     def bytes_for(self, unplanned_peak_bytes: int, training: bool = True) -> int | None:

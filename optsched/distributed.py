@@ -35,10 +35,8 @@ from .budget import parse_budget
 from .costs.measure import measure_peak
 from .plans.plan import Plan
 from .plans.file_format import seal
-from .solvers import BudgetInfeasibleError, TensorKind, simulate, solve
-from .solvers.baselines import BASELINES
-from .solvers.model.liveness import recompute_candidates
-from .solvers.search.heuristics import full_recompute, place_recomputes
+from .solvers import BudgetInfeasibleError, TensorKind, simulate
+from .solvers.search.sweep import schedule_for, sweep
 
 __all__ = ["FSDPMemory", "FSDPPlan", "optimize", "optimize_fsdp", "plan_digest"]
 
@@ -398,20 +396,10 @@ def _block_signature(block: torch.nn.Module) -> tuple:
     return (type(block).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
 
 
-HEURISTICS = ("full_recompute", "checkpoint_blocks", "sqrt_segments")
-"""Whole-block schedules tried beside the solver's: with many blocks, a block's saved activations count once per
-block at the step's peak, which a plan of one block for its own peak does not weigh (full_recompute is
-per-block activation checkpointing: only the block's input is kept)."""
-
-
-def heuristic_schedule(name: str, problem):
-    return full_recompute(problem) if name == "full_recompute" else BASELINES[name](problem)
-
-
 @dataclass
 class BlockChoice:
     """How the block is planned: `how` "solve" (the solver, for `block_budget`; None: no budget), "recompute"
-    (the forward ops named in `recompute` recomputed, in program order) or a name of HEURISTICS; the per-rank
+    (the forward ops named in `recompute` recomputed, in program order) or a name of the sweep's HEURISTICS; the per-rank
     memory and the block's estimated time with it (on the search problem)."""
 
     how: str
@@ -426,79 +414,31 @@ class BlockChoice:
 
 def block_schedule(choice: BlockChoice, problem):
     """The schedule a non-solver choice gives `problem` (the block's problem, as captured where it is made)."""
-    if choice.how == "recompute":
-        by_name = {o.name: o.id for o in problem.ops}
-        return place_recomputes(problem, [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops],
-                                [by_name[n] for n in choice.recompute])
-    return heuristic_schedule(choice.how, problem)
-
-
-def recompute_ladder(problem) -> list[list[int]]:
-    """Recompute sets that trade the least time for saved bytes: the recompute candidates sorted by time per
-    byte of output, and every prefix of that order."""
-    def per_byte(o):
-        return problem.ops[o].time_s / max(1, sum(problem.tensors[t].bytes for t in problem.ops[o].outputs))
-
-    order = sorted(recompute_candidates(problem), key=lambda o: (per_byte(o), o))
-    return [order[:k] for k in range(1, len(order) + 1)]
+    return schedule_for(choice.how, choice.recompute, problem)
 
 
 def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes: int, time_limit_s: float,
                       tolerance: float = 0.02) -> list[BlockChoice]:
-    """The block plans whose per-rank total fits `budget`, fastest first: among the solver's plans for block
-    budgets (a bisection over the block's peak, to `tolerance`, for the largest that fits), the HEURISTICS'
-    schedules and the recompute_ladder's (which weigh saved bytes, that n_blocks multiply, rather than the
-    block's peak). A budget below the fixed terms, the other blocks' inputs and the block's proven lower bound
-    fails at once; one no candidate meets raises BudgetInfeasibleError with the lowest total found."""
-    def evaluate(b):
-        try:
-            sol = solve(problem, b, time_limit_s=time_limit_s, deterministic=True)
-        except BudgetInfeasibleError:
-            return None, None
-        return BlockChoice("solve", b, memory.with_block(sol.sim.peak_bytes, saved_bytes(problem, sol.sim, arg_bytes)),
-                           sol.sim.time_s), sol
+    """The block plans whose per-rank total fits `budget`, fastest first, from the solvers' sweep (solvers/search/
+    sweep.py) with the per-rank total as its measure: the solver's plans for block budgets (a bisection over the
+    block's peak, to `tolerance`, for the largest that fits), the HEURISTICS' schedules and the recompute_ladder's
+    (which weigh saved bytes, that n_blocks multiply, rather than the block's peak). A budget below the fixed
+    terms, the other blocks' inputs and the block's proven lower bound fails at once; one no candidate meets
+    raises BudgetInfeasibleError with the lowest total found."""
+    def per_rank(sim) -> FSDPMemory:
+        return memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes))
 
-    def infeasible(floor: FSDPMemory, bound: int) -> BudgetInfeasibleError:
-        e = BudgetInfeasibleError(budget, floor.total, bound)
-        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
-                  f"{floor.total / MiB:.2f} MiB ({floor.describe()}); no plan can go below {bound / MiB:.2f} MiB "
-                  f"(the fixed terms alone are {memory.fixed / MiB:.2f} MiB)",)
-        return e
-
-    fastest, sol = evaluate(None)
-    if budget is None or fastest.memory.total <= budget:
-        return [fastest]
-    bound = memory.fixed + (memory.n_blocks - 1) * arg_bytes + sol.lower_bound_bytes
-    if budget < bound:
-        raise infeasible(fastest.memory, bound)
-    tried = [fastest]
-    for name in HEURISTICS:
-        sim = simulate(problem, heuristic_schedule(name, problem))
-        tried.append(BlockChoice(name, None, memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes)),
-                                 sim.time_s))
-    fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
-    for ops in recompute_ladder(problem):  # saves less per block than the solver's plans of the block's peak
-        sim = simulate(problem, place_recomputes(problem, fw, bw, ops))
-        tried.append(BlockChoice("recompute", None, memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes)),
-                                 sim.time_s, tuple(problem.ops[o].name for o in ops)))
-    lo, hi = sol.lower_bound_bytes - 1, fastest.memory.block_peak
-    for _ in range(16):
-        if hi - lo <= max(4096, int(hi * tolerance)):
-            break
-        mid = (lo + hi) // 2
-        c, _sol = evaluate(mid)
-        if c is None:
-            lo = mid
-            continue
-        tried.append(c)
-        if c.memory.total <= budget:
-            lo = mid
-        else:
-            hi = mid
-    fits = [c for c in tried if c.memory.total <= budget]
+    found = sweep(problem, lambda sim: per_rank(sim).total, budget, floor=memory.fixed + (memory.n_blocks - 1) * arg_bytes,
+                  time_limit_s=time_limit_s, tolerance=tolerance)
+    fits = found.fitting(budget)
     if not fits:
-        raise infeasible(min(tried, key=lambda c: c.memory.total).memory, bound)
-    return sorted(fits, key=lambda c: (c.time_s, c.memory.total))
+        lowest = per_rank(min(found.tried, key=lambda c: c.total).sim)
+        e = BudgetInfeasibleError(budget, lowest.total, found.bound)
+        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
+                  f"{lowest.total / MiB:.2f} MiB ({lowest.describe()}); no plan can go below {found.bound / MiB:.2f} MiB "
+                  f"(the fixed terms alone are {memory.fixed / MiB:.2f} MiB)",)
+        raise e
+    return [BlockChoice(c.how, c.peak_budget, per_rank(c.sim), c.sim.time_s, c.recompute) for c in fits]
 
 
 def with_schedule(plan: Plan, schedule, note: str) -> Plan:

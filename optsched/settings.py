@@ -4,10 +4,11 @@ one optimized callable (and its copies) uses them."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-from .budget import Budget
+from .budget import Budget, check_options
+from .optim import SUPPORTED
 
 if TYPE_CHECKING:
     from .costs.profiles import DeviceProfile
@@ -31,6 +32,20 @@ class PlanningSettings:
     deterministic: bool | None = None
     chunking: bool | int | str | None = None
     start_from: Schedule | PlanFile | None = field(default=None, compare=False)  # offered to every solve first (a hint)
+    # the user's optimizer (issue 36): its state and its update are planned with the step
+    optimizer: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        """Every option is checked here, as optimize() and plan_offline() build the settings: a bad one raises
+        there, not at the first call that plans. (The budgets come parsed; start_from, checked by optimize.)"""
+        check_options(**{f.name: getattr(self, f.name) for f in fields(self)
+                         if f.name not in ("budget", "host_budget", "start_from")})
+        if self.optimizer is not None and type(self.optimizer) not in SUPPORTED:
+            raise NotImplementedError(
+                f"optimizer={type(self.optimizer).__name__}: optsched plans the state and update of "
+                f"{', '.join(t.__name__ for t in SUPPORTED)} (exact types) only; plan the step without optimizer=")
+        if self.optimizer is not None and self.plan is not None:  # a replay would rebuild the step without the state
+            raise ValueError("plan files do not record an optimizer's state yet: pass optimizer= or plan=, not both")
 
     @property
     def chunk_counts(self) -> tuple[int, ...]:
@@ -39,7 +54,7 @@ class PlanningSettings:
         captured) when None (the default), False or "auto" (which tries the counts above 1 only when the graph
         as captured cannot meet the budget: `chunk_when_needed`). Chunked gradients equal eager's to
         rounding, not bitwise."""
-        from .lower.chunked_ce import CHUNK_COUNTS
+        from .passes.chunked_ce import CHUNK_COUNTS
 
         if self.chunking is None or self.chunking is False or self.chunk_when_needed:
             return (1,)
@@ -50,10 +65,8 @@ class PlanningSettings:
     @property
     def chunk_when_needed(self) -> bool:
         """chunking="auto": plan the graph as captured, and chunk counts only where it cannot meet the budget
-        (`Planner._solve_graph`). Not the default: the default keeps gradients bitwise eager's (tests
+        (planning.variants). Not the default: the default keeps gradients bitwise eager's (tests
         assert that of default plans at budgets recomputation alone cannot meet)."""
-        if isinstance(self.chunking, str) and self.chunking != "auto":
-            raise ValueError(f"chunking must be True, False, None, 'auto' or a chunk count, got {self.chunking!r}")
         return self.chunking == "auto"
 
     @property

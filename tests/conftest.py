@@ -3,6 +3,10 @@
 The tests import `tests.models` and `benchmarks.models`, which live in the repository, not
 in the installed package: put the repository root on sys.path so that `pytest` works from
 any directory and through the `pytest` script as well as `python -m pytest`.
+
+`make test` runs two workers (pytest-xdist, `--dist loadgroup`). Tests that share something made once per
+process (a module fixture, a module's cache of runs) carry one `pytest.mark.xdist_group`, so that one worker
+runs them all and makes it once; under plain `load` both workers made it.
 """
 
 from __future__ import annotations
@@ -12,9 +16,20 @@ import os
 import sys
 from pathlib import Path
 
+# One intra-op thread per test process, set before torch is imported (subprocesses inherit it): `make test` runs two
+# workers on two cores, and each worker's second OpenMP thread spins waiting for the core the other worker holds
+# (tests/test_chunking.py: 59 s of CPU with two threads, 29 s with one; optsched/costs/measure.py says why).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from hypothesis import settings  # noqa: E402
+
+from tests.hypothesis_profiles import QUICK  # noqa: E402  (registers the profiles)
+
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", QUICK))  # --hypothesis-profile=NAME overrides it
 
 # torch's structured-trace logger emits empty DEBUG records on every compilation, and pytest's
 # log capture attaches to it: hundreds of blank lines under each failing test that compiles.

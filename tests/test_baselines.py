@@ -19,6 +19,7 @@ from optsched.solvers.search.blocks import find_blocks
 from optsched.solvers.search.heuristics import lower_bound_peak
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.bruteforce import training_problems
+from tests.hypothesis_profiles import examples
 
 SYNTHETIC = {
     "chain8": chain_training_problem(8),
@@ -29,7 +30,7 @@ SYNTHETIC = {
     "paths3": parallel_paths_problem(3, nbytes=1024),
 }
 RANDOM = settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     derandomize=True,  # the same examples every run: a failure is a bug, not bad luck
     suppress_health_check=[HealthCheck.too_slow],

@@ -53,6 +53,7 @@ from tests.bruteforce import (
     topological_fw_orders,
     training_problems,
 )
+from tests.hypothesis_profiles import examples
 
 REL = 1e-9  # op times are whole microseconds: the solvers' ns rounding is exact, so only float noise remains
 TIME_LIMIT_S = 0.5
@@ -63,13 +64,13 @@ TIME_LIMIT_S = 0.5
 KNOWN_REUSE_ALL_BUG = False
 
 CHEAP = settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     derandomize=True,  # the same examples every run: a failure is a bug, not bad luck
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
-SOLVES = settings(CHEAP, max_examples=60)
-SOLVES_MANY = settings(CHEAP, max_examples=150)  # the solves are fast on problems this small
+SOLVES = settings(CHEAP, max_examples=examples(60))
+SOLVES_MANY = settings(CHEAP, max_examples=examples(150))  # the solves are fast on problems this small
 
 
 def _problems(**kw):

@@ -352,7 +352,7 @@ def test_a_percentage_is_a_share_of_each_training_programs_own_peak():
         assert view.made_for(training=True) == {"budget_from": THIS_PROGRAM}
         assert view.source(peak, "fp")["program"] == THIS_PROGRAM
         view.record_training(view.bytes_for(peak), peak, f"fp-{shapes}")
-    assert not r.resolved and r.nbytes is None  # bytes are fixed only when the user gives bytes
+    assert r.fixed_bytes() is None  # bytes are fixed only when the user gives bytes
     assert r.for_shapes("a").bytes_for(10_000) == 6000
 
 
@@ -412,10 +412,10 @@ def test_copies_and_pickles_carry_the_training_bytes():
     r.for_shapes("a").record_training(600, 1000, "fp-a")
     for c in (r.copy(), r.for_shapes("b").copy(), pickle.loads(pickle.dumps(r)), copy.deepcopy(r)):
         assert c.for_shapes("a").bytes_for(1, training=False) == 600
-        assert c.largest == r.largest and c.trained == r.trained
+        assert c.kind == r.kind  # its training programs, per shapes and the largest
     c = r.copy()
     c.for_shapes("b").record_training(3000, 5000, "fp-b")  # a copy's programs are its own
-    assert "b" not in r.trained and r.largest["bytes"] == 600
+    assert "b" not in r.kind.trained and r.largest["bytes"] == 600
 
 
 def test_a_resolution_pickled_before_issue_24_keeps_its_bytes_for_forward_only_programs():
@@ -429,7 +429,7 @@ def test_a_resolution_pickled_before_issue_24_keeps_its_bytes_for_forward_only_p
     old.__dict__.update(budget=parse_budget("60%"), nbytes=600, auto=None,
                         reference={"unplanned_peak_bytes": 1000, "fingerprint": "fp-first"})
     r = pickle.loads(pickle.dumps(old))
-    assert r.nbytes is None and "reference" not in vars(r)
+    assert set(vars(r)) == {"budget", "kind"}  # "nbytes" and "reference" became the kind's record
     assert r.for_shapes("a").bytes_for(5000) == 3000
     assert r.for_shapes("a").source(1, training=False) == {
         "program": LARGEST_TRAINING_PROGRAM, "unplanned_peak_bytes": 1000, "fingerprint": "fp-first", "bytes": 600}

@@ -23,6 +23,9 @@ from optsched.solvers.search.strategy import solve
 
 transformers = pytest.importorskip("transformers")
 
+# module fixtures shared by most tests: one worker runs the file (see tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("checkpoint-level")
+
 # a smaller Llama than the GPU check's (8 layers, width 1024, batch 38 x 2048) where the same failure showed:
 # at full checkpointing's peak (274.59 MiB) the search found none in 8 s (lowest 277.70 MiB)
 LAYERS, WIDTH, FFN, VOCAB, BATCH, SEQ = 4, 256, 704, 8000, 4, 512

@@ -19,7 +19,7 @@ from functorch.compile import make_boxed_func
 import optsched
 from benchmarks.models import gpt
 from optsched.capture.errors import logging_ignored
-from optsched.lower.chunked_ce import linear_cross_entropy, linear_cross_entropy_backward
+from optsched.passes.chunked_ce import linear_cross_entropy, linear_cross_entropy_backward
 from optsched.measure import measure_training_step
 from optsched.passes.chunking import chunk, copy_graph, find_chains
 

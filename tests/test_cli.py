@@ -22,6 +22,9 @@ from optsched.plans.file_format import load_plan
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
 
+# module fixtures shared by most tests: one worker runs the file (see tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("cli")
+
 
 def _mib(b: int) -> str:
     return f"{b / MIB:.2f} MiB"

@@ -115,6 +115,7 @@ def gpt_inductor():
     return opt, budget, eager, planned
 
 
+@pytest.mark.xdist_group("fusion-gpt-inductor")
 def test_gpt_with_inductor_groups_fits_and_is_predicted(gpt_inductor):
     opt, budget, _eager, planned = gpt_inductor
     s = opt.plan.summary()
@@ -130,6 +131,7 @@ def _assert_matches_eager(planned, eager):
         torch.testing.assert_close(planned.grads[k], eager.grads[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.xdist_group("fusion-gpt-inductor")
 def test_gpt_with_inductor_groups_matches_eager(gpt_inductor):
     # issue 23: ln1's and qkv's gradients were wrong here. The backward's saved-tensor placeholders were named
     # after names its group kernels' output items had taken, and the generated code aliased two of them
@@ -277,12 +279,12 @@ def test_an_inductor_kernel_called_with_other_strides_than_compiled_for_gives_th
 def test_the_default_executor_keeps_only_groups_faster_than_their_ops(monkeypatch, kernel_s, kept):
     """On CUDA the default executor is Inductor (where nvFuser does not load): a group whose kernel measures no
     faster than its ops one by one stays unfused. Here the default is made Inductor and kernel timings fixed."""
-    from optsched import planner
     from optsched.executors import groups as group_mod
+    from optsched.planning import program
     from optsched.executors.inductor import InductorExecutor
 
-    real = planner.get_executor
-    monkeypatch.setattr(planner, "get_executor", lambda name, device: InductorExecutor() if name is None else real(name, device))
+    real = program.get_executor
+    monkeypatch.setattr(program, "get_executor", lambda name, device: InductorExecutor() if name is None else real(name, device))
     monkeypatch.setattr(group_mod, "_profile_kernel", lambda kernel, example: (kernel_s, 0))
     model, inputs = models.attention_block()
     opt = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=2)

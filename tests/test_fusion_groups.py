@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from optsched.solvers import Phase
 from optsched.solvers.search.fusion_groups import check_group, find_groups, fuse_ops, internal_tensors
 from optsched.solvers.model.problem import Op, Problem, Tensor
+from tests.hypothesis_profiles import examples
 
 KB = 1024
 
@@ -117,7 +118,7 @@ def random_dags(draw):
     return g.problem(outputs), fusible
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(random_dags())
 def test_groups_on_random_graphs_are_disjoint_convex_and_fusible(case):
     p, fusible = case

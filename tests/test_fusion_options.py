@@ -24,6 +24,7 @@ from optsched.solvers.search.segments import splice
 from optsched.solvers.search.strategy import certify
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem, random_layered_problem
 from schedule_checker import fused_replay, violations
+from tests.hypothesis_profiles import examples
 
 MiB = 2**20
 
@@ -73,7 +74,7 @@ def problems_with_formed_groups(draw) -> tuple[Problem, Schedule]:
     return problem, schedule
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=examples(150), deadline=None, derandomize=True)
 @given(problems_with_formed_groups())
 def test_a_formed_group_simulates_as_its_merged_op_and_as_the_checker_replays_it(case):
     problem, schedule = case

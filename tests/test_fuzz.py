@@ -31,7 +31,7 @@ from optsched.solvers.search.offload import add_offloads, mix_offload_and_recomp
 from optsched.solvers.synthetic import random_layered_problem
 from schedule_checker import assert_valid, violations
 
-LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
+LONG = settings.get_current_profile_name() == "long"  # HYPOTHESIS_PROFILE=long or --hypothesis-profile=long
 SCALE = 10 if LONG else 1
 N_PROBLEMS = int(os.environ.get("OPTSCHED_FUZZ_EXAMPLES", 25 * SCALE))
 N_MODELS = 5 * SCALE

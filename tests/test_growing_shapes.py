@@ -19,6 +19,9 @@ from optsched.budget import LARGER_TRAINING_PROGRAM, LARGEST_TRAINING_PROGRAM, S
 from optsched.costs.measure import live_bytes, measure_peak
 from optsched.measure import measure_training_step
 
+# module fixtures shared by most tests: one worker runs the file (see tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("growing-shapes")
+
 CFG = gpt.GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128)
 BATCH = 16  # activations dominate the weights: 60% is reached by recomputing, at every length
 LENGTHS = [32, 56, 80, 104, 128]

@@ -1,6 +1,6 @@
-"""The layout's rules (docs/architecture.md): no import cycle inside optsched, no private name imported
-from another module, a core (`solvers/`) that imports neither torch nor a terminal UI (rich), and torch's
-private symbols reached through optsched/_torch.py only.
+"""The layout's rules (docs/architecture.md): imports run one way, down the layer map (`LAYERS`), with no
+cycle inside optsched; no private name imported from another module; a core (`solvers/`) that imports neither
+torch nor a terminal UI (rich); torch's private symbols reached through optsched/_torch.py only.
 
 Imports are read from the source (ast): every import counts, at module level, inside functions or under
 TYPE_CHECKING, so a cycle hidden behind a lazy import fails too.
@@ -79,6 +79,85 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (pkg / "a.py").write_text("from .sub import b\n")
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import x\n")
     assert list(nx.simple_cycles(import_graph({"pkg": pkg}))) != []
+
+
+# The layer map, lowest first: a module may import from its own layer and the ones below, never from above. A name
+# stands for the module and, if it holds a dot, everything under it (a bare top-level name, "optsched", only for
+# itself: a new top-level module must be placed here). The longest name that matches places a module.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("torch's door and the solvers' data types", ("optsched._torch", "optsched.solvers.model")),
+    ("capture", ("optsched.capture",)),
+    ("graph passes and the ops they write", ("optsched.passes",)),
+    ("the optimizer's updates and state", ("optsched.optim",)),
+    ("costs and problems", ("optsched.costs",)),
+    ("executors and fusion groups", ("optsched.executors",)),
+    ("lowering", ("optsched.lower",)),
+    # the search (and the package's face, which loads it): the layers below read the data types only
+    ("the solver", ("optsched.solvers",)),
+    ("plans and plan files", ("optsched.plans",)),
+    ("options", ("optsched.budget", "optsched.settings")),
+    ("planning", ("optsched.planning", "optsched.user_checkpoint", "optsched.progress")),
+    ("compile hooks", ("optsched.compiler",)),
+    ("entry points", ("optsched", "optsched.api", "optsched.state_snapshot", "optsched.attribute_sync", "optsched.cli",
+                      "optsched.distributed", "optsched.measure", "optsched.baselines")),
+]
+
+
+def layer_of(module: str, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> int | None:
+    """Index in `layers` of the longest name placing `module`; None: the map does not place it."""
+    found = [(len(name), i) for i, (_, names) in enumerate(layers) for name in names
+             if module == name or ("." in name and module.startswith(name + "."))]
+    return max(found)[1] if found else None
+
+
+def against_the_map(graph: nx.DiGraph, layers: list[tuple[str, tuple[str, ...]]] = LAYERS) -> list[str]:
+    """Each import running up the map: "a (its layer) imports b (a higher layer)"."""
+    up = []
+    for a, b in sorted(graph.edges()):
+        la, lb = layer_of(a, layers), layer_of(b, layers)
+        if la is not None and lb is not None and lb > la:
+            up.append(f"{a} ({layers[la][0]}) imports {b} ({layers[lb][0]})")
+    return up
+
+
+def test_every_module_has_a_layer_and_every_name_in_the_map_a_module():
+    known = modules(ROOTS)
+    unplaced = sorted(m for m in known if layer_of(m) is None)
+    assert not unplaced, f"place these in tests/test_layout.py's LAYERS: {unplaced}"
+    stale = [name for _, names in LAYERS for name in names if name not in known]
+    assert not stale, f"no such module: take these off LAYERS: {stale}"
+
+
+def test_imports_run_down_the_layer_map():
+    up = against_the_map(import_graph(ROOTS))
+    assert not up, "imports against the layer map (move the code imported down, or the importer up):\n" + "\n".join(up)
+
+
+def test_the_direction_check_finds_an_import_against_the_map(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "low" / "__init__.py"):
+        init.write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from ..high import g\n")  # lazy: counts all the same
+    (pkg / "high.py").write_text("from .low import a\n")  # down: allowed
+    layers = [("low", ("pkg.low",)), ("high", ("pkg.high",)), ("top", ("pkg",))]
+    assert layer_of("pkg.low.a", layers) == 0 and layer_of("pkg.other", layers) is None
+    assert against_the_map(import_graph({"pkg": pkg}), layers) == ["pkg.low.a (low) imports pkg.high (high)"]
+
+
+@pytest.mark.parametrize("importer, imported", [
+    ("optsched.passes.chunking", "optsched.lower.programs"),  # the chunked cross-entropy ops lived in lower/
+    ("optsched.costs.problem_builder", "optsched.lower.programs"),
+    ("optsched.executors.groups", "optsched.solvers.search.fusion_groups"),  # the search, not its data types
+    ("optsched.capture.joint_graph", "optsched.solvers"),  # the package's face loads the search
+    ("optsched.lower.programs", "optsched.planning.planner"),
+    ("optsched.planning.planner", "optsched.compiler.backend"),
+])
+def test_the_map_refuses_the_arrows_that_ran_back_up(importer, imported):
+    graph = import_graph(ROOTS)
+    graph.add_edge(importer, imported)
+    assert [u for u in against_the_map(graph) if u.startswith(f"{importer} (")] == [
+        f"{importer} ({LAYERS[layer_of(importer)][0]}) imports {imported} ({LAYERS[layer_of(imported)][0]})"]
 
 
 def test_no_private_name_is_imported_from_another_module():
@@ -222,17 +301,31 @@ def private_torch_uses(path: Path) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
+def private_torch_uses_outside_the_door(package: Path) -> dict[str, list[tuple[int, str]]]:
+    """The private torch names each file of `package` uses (by its path from the package's parent), but those of
+    `package`/_torch.py, the one door to them."""
+    door = package / "_torch.py"
+    return {str(p.relative_to(package.parent)): private_torch_uses(p) for p in sorted(package.rglob("*.py")) if p != door}
+
+
 def test_torch_private_names_are_reached_through_optsched_torch_only():
     """torch's private modules and names change between releases without notice: optsched/_torch.py names each
     one optsched uses, with what it is for and a safe stand-in, and nothing else reaches for them."""
-    files = {str(p.relative_to(REPO)): p for p in sorted((REPO / "optsched").rglob("*.py"))}
-    assert PRIVATE_TORCH_ALLOWED <= set(files), PRIVATE_TORCH_ALLOWED - set(files)
-    uses = {rel: private_torch_uses(p) for rel, p in files.items() if rel != "optsched/_torch.py"}
+    uses = private_torch_uses_outside_the_door(REPO / "optsched")
+    assert PRIVATE_TORCH_ALLOWED <= set(uses), PRIVATE_TORCH_ALLOWED - set(uses)
     found = [f"{rel}:{line} uses {name}" for rel, found in uses.items() if rel not in PRIVATE_TORCH_ALLOWED
              for line, name in found]
     assert not found, "import these from optsched._torch (add them there if new):\n" + "\n".join(found)
     moved = sorted(rel for rel in PRIVATE_TORCH_ALLOWED if not uses[rel])
     assert not moved, f"no private torch name left in {moved}: take them off PRIVATE_TORCH_ALLOWED"
+
+
+def test_the_door_check_finds_a_private_torch_name_used_outside_the_door(tmp_path):
+    pkg = tmp_path / "optsched"
+    (pkg / "lower").mkdir(parents=True)
+    (pkg / "_torch.py").write_text("import torch\nstorage_use_count = torch._C._storage_Use_Count\n")
+    (pkg / "lower" / "runtime.py").write_text("import torch\ndef refs(t):\n    return torch._C._storage_Use_Count(t)\n")
+    assert private_torch_uses_outside_the_door(pkg) == {"optsched/lower/runtime.py": [(3, "torch._C._storage_Use_Count")]}
 
 
 def test_the_private_torch_check_finds_each_form(tmp_path):
@@ -314,3 +407,19 @@ def test_the_classes_optsched_recognizes_by_name_are_torchs():
     y = compiled(torch.randn(3, requires_grad=True))
     assert type(y.grad_fn).__name__ == _torch.COMPILED_FUNCTION_BACKWARD
     importlib.import_module(_torch.DYNAMO_METRICS_LOGGER)  # the logger is named after its module
+
+
+MAX_DEFINITION_LINES = 120
+
+
+def test_no_definition_in_optsched_is_over_120_lines():
+    """A function or class longer than a screenful does more than one job (issue 35): split it along its seams.
+    Lines run from `def`/`class` to its last line, docstring included, decorators not."""
+    long = []
+    for path in sorted((REPO / "optsched").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_DEFINITION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "over 120 lines: " + "; ".join(long)

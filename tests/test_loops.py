@@ -80,7 +80,9 @@ def _params():
     out = []
     for name in loops.CASES:
         for contract in LOOP_CONTRACTS:
-            marks = [] if name in DEFAULT_SUBSET else [pytest.mark.zoo]
+            marks = [pytest.mark.xdist_group(f"loop-{name}")]  # one worker runs the loop (`_run`) for all its tests
+            if name not in DEFAULT_SUBSET:
+                marks.append(pytest.mark.zoo)
             if (name, contract) in KNOWN.get(PROFILE, {}):
                 reason, strict = KNOWN[PROFILE][(name, contract)]
                 marks.append(pytest.mark.xfail(strict=strict, reason=reason))
@@ -96,6 +98,7 @@ def test_loop_contract(name, contract):
         f"\n{res.get('traceback', '')}" if "error" in res else "")
 
 
+@pytest.mark.xdist_group("loop-accumulation")
 def test_accumulation_plans_the_second_micro_batch_apart():
     res = _run("accumulation")
     fitted = [s for s in res["steps"] if s.get("outcome") == "fitted"]
@@ -105,6 +108,7 @@ def test_accumulation_plans_the_second_micro_batch_apart():
     assert len({c["plan_index"] for s in fitted for c in s["calls"]}) == 2  # two plans, each reused by later steps
 
 
+@pytest.mark.xdist_group("loop-hf-trainer")
 def test_trainer_runs_the_optimized_model():
     """Trainer(model=optsched.optimize(model, ...)) is how it is used: the module optimize returns is a module of
     the same class, and Trainer trains it (its plans are what ran)."""

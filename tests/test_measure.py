@@ -175,7 +175,7 @@ def test_planning_inside_a_profiling_session_leaves_it_running():
 
     model, inputs = models.mlp()
     opt = optsched.optimize(model)
-    from optsched.planner import ScratchNotMeasuredWarning
+    from optsched.planning.op_costs import ScratchNotMeasuredWarning
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with pytest.warns(ScratchNotMeasuredWarning, match="scratch space was not measured"):

@@ -19,6 +19,9 @@ from optsched.lower.offload_runtime import OffloadDeviceError, OffloadRuntime, _
 
 MiB = 2**20
 
+# module fixtures shared by most tests: one worker runs the file (see tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("offload")
+
 
 @pytest.fixture(scope="module")
 def gpt_setup():

@@ -135,6 +135,23 @@ def test_view_of_host_tensor_keeps_set_busy() -> None:
 NO_USE_COUNT = pytest.mark.filterwarnings("ignore:torch._C._storage_Use_Count is missing:RuntimeWarning")
 
 
+def test_a_set_counts_as_busy_whenever_the_use_count_cannot_be_read(monkeypatch) -> None:
+    """Fails closed: torch's storage use count is what sees a view outliving the tensors handed out; without it
+    a set must count as busy even when nothing of it lives (rewriting it could corrupt a saved activation)."""
+    xs = _tensors(CPU)
+    rt = OffloadRuntime(_specs(xs), CPU, "cpu")
+    bufs = rt.acquire()
+    view = [rt.release(rt.offload(bufs, x, i)) for i, x in enumerate(xs)][0][1:]  # the host tensors die, the view lives
+    assert bufs.busy()  # seen by the count
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    assert bufs.busy()
+    del view
+    gc.collect()
+    assert bufs.busy()  # free in fact, but this torch cannot say so
+    monkeypatch.undo()
+    assert not bufs.busy()
+
+
 @NO_USE_COUNT
 def test_without_the_use_count_a_set_is_never_reused_while_a_view_may_live(monkeypatch) -> None:
     """Without torch's storage use count a view's life cannot be seen: every set counts as busy (it was

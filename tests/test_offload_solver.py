@@ -14,6 +14,7 @@ from optsched.solvers.cpsat.bound import solve_bound_and_repair
 from optsched.solvers.search.offload import add_offloads, offload_all, offload_towards, prefetch_position
 from optsched.solvers.synthetic import chain_training_problem
 from tests.test_solvers import FUZZ, TIME_LIMIT_S, known_plans, training_problems
+from tests.hypothesis_profiles import examples
 
 MB = 1 << 20
 BANDWIDTHS = (1e5, 1e6, 1e7, 1e9)  # bytes/s against op times of 10 us .. 1 ms and sizes of 64 .. 1024 bytes
@@ -30,7 +31,7 @@ def _check_plan(problem, sol, budget):
         assert not sol.schedule.offload
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=examples(40))
 @given(training_problems(), st.floats(0.0, 1.0), st.sampled_from(BANDWIDTHS), st.sampled_from((None, 0, 512, 2048)))
 def test_solve_with_offload_never_exceeds_either_budget(problem, frac, bw, host_budget):
     problem = dataclasses.replace(problem, host_bw=bw, host_budget_bytes=host_budget)

@@ -422,10 +422,9 @@ def test_forward_only_function_of_views():
         assert torch.equal(opt(x), x.t()[1:])
 
 
-def test_unknown_device_profile_is_a_value_error():
-    opt = optsched.optimize(lambda x: torch.tanh(x).sum(), device_profile="tpu-v9", time_limit_s=TIME_LIMIT_S)
-    with pytest.raises(ValueError, match="a100"):  # names the known profiles
-        opt(torch.randn(4, requires_grad=True))
+def test_unknown_device_profile_is_a_value_error_at_optimize():
+    with pytest.raises(ValueError, match="a100"):  # names the known profiles, before any call
+        optsched.optimize(lambda x: torch.tanh(x).sum(), device_profile="tpu-v9", time_limit_s=TIME_LIMIT_S)
 
 
 def test_a_function_keeps_its_name_and_is_planned_again_for_new_shapes():
@@ -470,8 +469,8 @@ def _gpt_at(fraction: float):
 
 def test_gpt_at_55_percent_of_eager_peak(monkeypatch):
     model, inputs, eager, budget = _gpt_at(0.55)
-    import optsched.planner as planner_module
-    from optsched.planner import DEFAULT_TIME_LIMIT_S
+    from optsched.planning import solving as planner_module
+    from optsched.planning.timing import DEFAULT_TIME_LIMIT_S
     from optsched.solvers.model import clock
 
     solve, solves = planner_module.solve, []
@@ -484,14 +483,28 @@ def test_gpt_at_55_percent_of_eager_peak(monkeypatch):
             solves.append((kwargs["time_limit_s"], kwargs["deterministic"], clock.now() - start))
         return sol
 
+    from optsched.planning import planner as planner_file
+
+    accounts = []
+
+    class Kept(planner_file.PlanningTime):
+        def __init__(self) -> None:
+            super().__init__()
+            accounts.append(self)
+
     monkeypatch.setattr(planner_module, "solve", counted)
+    monkeypatch.setattr(planner_file, "PlanningTime", Kept)
     opt = optsched.optimize(model, budget, example_inputs=inputs)  # the default time limit
     plan = opt.plan
     # planning kept to the default limit, counted as work (on an idle core about as many seconds; wall seconds
-    # here depend on the machine's load: 10.6 s for 0.95 units of work on a busy 2-core one)
+    # here depend on the machine's load): the solve gets what op timing and problem building left of it
     ((limit, deterministic, work),) = solves
-    assert (limit, deterministic) == (DEFAULT_TIME_LIMIT_S, True)  # 133 ops: 0.02 s each is under the minimum
+    (account,) = accounts
+    assert account.limit == DEFAULT_TIME_LIMIT_S  # 133 ops: 0.02 s each is under the minimum
+    assert deterministic and 0 < limit < DEFAULT_TIME_LIMIT_S  # op timing and building came first, on the account
     assert work <= limit, f"the solve counted {work:.2f} units of work over its {limit} limit"
+    assert account.taken["clock_s"] <= 1.05 * DEFAULT_TIME_LIMIT_S, account.taken  # everything, op timing included
+    assert {"op_timed", "problem_op", "simulated_step"} <= set(account.taken["units"])
     assert plan.summary()["n_recomputed"] > 0
 
     planned = measure_training_step(opt, model, inputs)

@@ -16,6 +16,7 @@ from optsched.capture.output_usage import OutputUsage
 transformers = pytest.importorskip("transformers")
 
 ROUNDING = 64  # bytes: the autograd engine's scalar seed and 0-dim zeros the plan does not place exactly
+PLANNING = dict(device_profile="cpu", time_limit_s=2)  # the roofline's op costs: what the caller does is the subject here
 
 
 def _llama():
@@ -49,7 +50,7 @@ def _steps(call, module, inputs):
 def test_labels_no_budget_is_eagers_peak_and_predicted():
     model, ids = _llama()
     eager = measure_training_step(lambda i: model(input_ids=i, labels=i).loss, model, (ids,))
-    opt = optsched.optimize(model)
+    opt = optsched.optimize(model, **PLANNING)
     r = _steps(lambda i: opt(input_ids=i, labels=i).loss, model, (ids,))
     assert r.peak_bytes <= eager.peak_bytes + ROUNDING
     assert abs(opt.plan.predicted_peak_bytes - r.peak_bytes) <= ROUNDING
@@ -66,7 +67,7 @@ def test_loss_outside_follows_the_caller_from_the_second_step():
         return F.cross_entropy(logits.flatten(0, 1), i.flatten())
 
     eager = measure_training_step(lambda i: loss_of(model(input_ids=i).logits, i), model, (ids,))
-    opt = optsched.optimize(model)
+    opt = optsched.optimize(model, **PLANNING)
     r = _steps(lambda i: loss_of(opt(input_ids=i).logits, i), model, (ids,))
     assert r.peak_bytes <= eager.peak_bytes + ROUNDING
     assert abs(opt.plan.predicted_peak_bytes - r.peak_bytes) <= 0.01 * r.peak_bytes
@@ -99,7 +100,7 @@ def test_a_gradient_into_an_output_the_plan_did_not_expect_is_correct_and_replan
         return call
 
     eager = measure_training_step(both(model), model, (x,))
-    opt = optsched.optimize(model)
+    opt = optsched.optimize(model, **PLANNING)
     both(opt)(x).backward()
     first = {n: p.grad.clone() for n, p in model.named_parameters()}
     for p in model.parameters():
@@ -130,7 +131,7 @@ def test_an_output_held_through_the_backward_is_planned_as_held():
 
     eager = measure_training_step(holding(model), model, (x,))
     kept.clear()
-    opt = optsched.optimize(model)
+    opt = optsched.optimize(model, **PLANNING)
     _warm(holding(opt), model, (x,))
     kept.clear()
     r = measure_training_step(holding(opt), model, (x,))
@@ -144,7 +145,7 @@ def test_an_output_held_through_the_backward_is_planned_as_held():
 def test_a_budgeted_step_that_used_more_than_its_plan_assumed_warns_once():
     torch.manual_seed(0)
     model, x = _TwoHeads(), torch.randn(64, 256)
-    opt = optsched.optimize(model, "8MiB")  # a budget (roomy): a step above its plan could go over one
+    opt = optsched.optimize(model, "8MiB", **PLANNING)  # a budget (roomy): a step above its plan could go over one
     with pytest.warns(optsched.OutputUsageWarning, match=r"output\(s\) \[1\].*planned 'gh,--', seen 'gh,gh'.*next call plans for it"):
         loss, out = opt(x)
         (loss + out.sum() * 1e-3).backward()
@@ -193,7 +194,7 @@ def test_a_view_output_is_watched_through_the_callers_tensor(hold):
 
     eager = measure_training_step(calling(model), model, (x,))
     kept.clear()
-    opt = optsched.optimize(model)
+    opt = optsched.optimize(model, **PLANNING)
     _warm(calling(opt), model, (x,))
     kept.clear()
     r = measure_training_step(calling(opt), model, (x,))
@@ -225,7 +226,7 @@ def test_a_missing_tangent_never_reaches_a_fused_kernel():
     model(x)[0].backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    opt = optsched.optimize(model, executor="inductor")
+    opt = optsched.optimize(model, executor="inductor", **PLANNING)
     for _ in range(2):
         opt(x)[0].backward()
         got = {n: p.grad.clone() for n, p in model.named_parameters()}

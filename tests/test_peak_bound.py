@@ -24,8 +24,9 @@ from optsched.solvers.search.peak_bound import explain, step_bound
 from optsched.solvers.synthetic import chain_training_problem
 from tests.test_fuzz import training_problems as offload_problems
 from tests.bruteforce import describe, enumerate_plans, min_peak, topological_fw_orders, topological_orders, training_problems
+from tests.hypothesis_profiles import examples
 
-FIXED = settings(max_examples=150, deadline=None, derandomize=True,
+FIXED = settings(max_examples=examples(150), deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
@@ -47,7 +48,7 @@ def test_bound_below_brute_force_minimum(problem, freed):
     assert bound <= lowest, f"bound {bound} ({explain(problem)[1]}) above a plan's peak {lowest}:\n{describe(problem)}"
 
 
-@settings(FIXED, max_examples=60)
+@settings(FIXED, max_examples=examples(60))
 @given(offload_problems())
 def test_bound_below_offloading_plans(problem):
     bound = lower_bound_peak(problem)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import optsched
-import optsched.planner
+from optsched.planning import op_costs, solving
 from optsched.capture.output_usage import OutputUsageWarning
 from optsched.measure import measure_training_step
 
@@ -43,8 +43,8 @@ def test_lora_llama_plans_once_within_budget(monkeypatch):
     assert eager.grads and all("lora_" in n for n in eager.grads)
 
     solves = []
-    real_solve = optsched.planner.solve
-    monkeypatch.setattr(optsched.planner, "solve", lambda *a, **k: solves.append(1) or real_solve(*a, **k))
+    real_solve = solving.solve
+    monkeypatch.setattr(solving, "solve", lambda *a, **k: solves.append(1) or real_solve(*a, **k))
     # the roofline's plan (deterministic: no measured times) saves the first layer's frozen key cache
     opt = optsched.optimize(model, "60%", device_profile="cpu")
     plans = []
@@ -95,8 +95,8 @@ def test_held_output_saved_for_the_backward_is_seen_held(monkeypatch):
     the second plan (same graph, another usage) reuses the op costs the first one measured."""
     model, ids = _lora_llama()
     measured = []
-    real_profile = optsched.planner.profile_nodes
-    monkeypatch.setattr(optsched.planner, "profile_nodes", lambda *a, **k: measured.append(1) or real_profile(*a, **k))
+    real_profile = op_costs.profile_nodes
+    monkeypatch.setattr(op_costs, "profile_nodes", lambda *a, **k: measured.append(1) or real_profile(*a, **k))
     opt = optsched.optimize(model)
     plans = []
     for _ in range(3):

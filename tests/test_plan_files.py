@@ -54,6 +54,7 @@ def saved_plan(tmp_path_factory):
     return path, first
 
 
+@pytest.mark.xdist_group("plan-files-saved")
 def test_a_plan_loaded_in_a_new_process_runs_the_same_program_at_the_same_peak(saved_plan):
     path, first = saved_plan
     assert path.exists()
@@ -66,6 +67,7 @@ def test_a_plan_loaded_in_a_new_process_runs_the_same_program_at_the_same_peak(s
     assert second["loss"] == first["loss"]
 
 
+@pytest.mark.xdist_group("plan-files-saved")
 def test_a_wider_model_gets_its_own_plan_file_beside_and_the_first_is_kept(saved_plan):
     """One plan file per shape: the same step at other shapes (here a wider layer: the same ops) is planned and
     saved beside PATH (named by its fingerprint), never over it, and replayed from there by the next run."""
@@ -142,16 +144,16 @@ def test_a_plan_file_that_is_not_utf8_is_a_plan_file_error_naming_it(tmp_path):
 
 
 def _count_solves(monkeypatch) -> list:
-    from optsched.planner import Planner
+    from optsched.planning.variants import Variants
 
     solves = []
-    solve = Planner._solve_graph
+    solve = Variants.plan
 
-    def counted(self, *args, **kwargs):
-        solves.append(args[2] if len(args) > 2 else None)
-        return solve(self, *args, **kwargs)
+    def counted(self):
+        solves.append(self.kind)
+        return solve(self)
 
-    monkeypatch.setattr(Planner, "_solve_graph", counted)
+    monkeypatch.setattr(Variants, "plan", counted)
     return solves
 
 
@@ -599,12 +601,14 @@ def _with(data: dict, keys: tuple, value=None, delete: bool = False) -> dict:
     return data
 
 
+@pytest.mark.xdist_group("plan-files-full")
 def test_a_plan_file_round_trips_unchanged_through_the_typed_check(full_plan, tmp_path):
     path, data = full_plan
     assert optsched.load_plan(path).data == data
     assert optsched.load_plan(_resealed(data, tmp_path / "again.json")).data == data
 
 
+@pytest.mark.xdist_group("plan-files-full")
 def test_every_nested_field_mistyped_is_a_plan_file_error_naming_its_path(full_plan, tmp_path):
     path, data = full_plan
     fields = list(_nested_fields(data))
@@ -624,6 +628,7 @@ def test_every_nested_field_mistyped_is_a_plan_file_error_naming_its_path(full_p
     assert not unnoticed
 
 
+@pytest.mark.xdist_group("plan-files-full")
 def test_every_missing_nested_field_is_a_plan_file_error_naming_its_path(full_plan, tmp_path):
     path, data = full_plan
     missing_ok = []
@@ -649,6 +654,7 @@ def _value_at(data: dict, keys: tuple):
     return data
 
 
+@pytest.mark.xdist_group("plan-files-full")
 @pytest.mark.parametrize("keys, value, message", [
     (("decisions", "fw_order", 3), "3", "decisions.fw_order[3]: expected int, got str"),
     (("decisions", "offload"), [], "decisions.offload: expected an object, got a list"),

@@ -83,7 +83,7 @@ _SCRIPT = textwrap.dedent("""
     import optsched
     from optsched.solvers import BudgetInfeasibleError
 
-    first, budget, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    first, budget, out = sys.argv[1], sys.argv[2], sys.argv[3]  # budget "lowest": the first plan's error's lowest peak
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())])
     x = torch.randn(64, 256)
@@ -98,20 +98,21 @@ _SCRIPT = textwrap.dedent("""
     if first != "none":  # an earlier plan in this process: an infeasible budget
         try:
             optsched.optimize(Step(), int(first), example_inputs=(x,), time_limit_s=1.0, device_profile="h100")
-        except BudgetInfeasibleError:
-            pass
+        except BudgetInfeasibleError as e:
+            lowest = e.lowest_peak_bytes
+    budget = lowest if budget == "lowest" else int(budget)
     try:
         plan = optsched.optimize(Step(), budget, example_inputs=(x,), time_limit_s=1.0, device_profile="h100").plan
-        json.dump({"schedule": plan.schedule.to_dict(), "status": plan.stats.status,
+        json.dump({"budget": budget, "schedule": plan.schedule.to_dict(), "status": plan.stats.status,
                    "peak": plan.predicted_peak_bytes}, open(out, "w"))
     except BudgetInfeasibleError as e:
-        json.dump({"error": e.lowest_peak_bytes}, open(out, "w"))
+        json.dump({"budget": budget, "error": e.lowest_peak_bytes}, open(out, "w"))
 """)
 
 
-def _plan_in_a_process(tmp_path: Path, first: str, budget: int, name: str) -> dict:
+def _plan_in_a_process(tmp_path: Path, first: str, budget: str, name: str) -> dict:
     out = tmp_path / f"{name}.json"
-    subprocess.run([sys.executable, "-c", _SCRIPT, first, str(budget), str(out)], check=True, cwd=ROOT, timeout=600)
+    subprocess.run([sys.executable, "-c", _SCRIPT, first, budget, str(out)], check=True, cwd=ROOT, timeout=600)
     return json.loads(out.read_text())
 
 
@@ -119,11 +120,12 @@ def test_the_same_model_and_budget_plan_the_same_whatever_the_process_planned_be
     """The error's lowest-peak plan is no longer remembered by the process: a budget of that peak plans the
     same in a process that saw the error as in a fresh one."""
     assert not hasattr(strategy, "_LOWEST_REPORTED")
-    # the lowest peak an infeasible budget reports (the subprocesses plan the same model)
-    res = _plan_in_a_process(tmp_path, "none", 1, "probe")
-    low = res["error"]
-    fresh = _plan_in_a_process(tmp_path, "none", low, "fresh")
-    after_error = _plan_in_a_process(tmp_path, "1", low, "after_error")
+    # a process that plans at a budget of 1 byte (infeasible), then at the lowest peak that error reports
+    after_error = _plan_in_a_process(tmp_path, "1", "lowest", "after_error")
+    low = after_error.pop("budget")
+    assert low > 1
+    fresh = _plan_in_a_process(tmp_path, "none", str(low), "fresh")
+    assert fresh.pop("budget") == low
     assert fresh == after_error
 
 

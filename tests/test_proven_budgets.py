@@ -9,7 +9,7 @@ import pytest
 
 import optsched
 from benchmarks.models import gpt
-from optsched import planner
+from optsched.planning import op_costs, solving
 from optsched.solvers import default_schedule, simulate, solve
 from optsched.solvers.search import strategy
 from optsched.solvers.search.heuristics import lower_bound_peak
@@ -20,8 +20,8 @@ from optsched.solvers.synthetic import chain_training_problem
 def nothing_timed_or_searched(monkeypatch):
     """Fails the test on any op timing or solve while planning."""
     calls = []
-    monkeypatch.setattr(planner, "profile_nodes", lambda *a, **k: calls.append("op timing") or pytest.fail("ops timed"))
-    monkeypatch.setattr(planner, "solve", lambda *a, **k: calls.append("solve") or pytest.fail("searched"))
+    monkeypatch.setattr(op_costs, "profile_nodes", lambda *a, **k: calls.append("op timing") or pytest.fail("ops timed"))
+    monkeypatch.setattr(solving, "solve", lambda *a, **k: calls.append("solve") or pytest.fail("searched"))
     return calls
 
 
@@ -49,8 +49,8 @@ def test_the_early_floor_never_refuses_a_budget_the_measured_bound_allows(monkey
     model, inputs = gpt.build(cfg), gpt.make_batch(cfg, batch_size=2)
     lb = optsched.optimize(model, None, example_inputs=inputs, time_limit_s=1).plan.lower_bound_bytes
     timed = []
-    profile = planner.profile_nodes
-    monkeypatch.setattr(planner, "profile_nodes", lambda *a, **k: timed.append(1) or profile(*a, **k))
+    profile = op_costs.profile_nodes
+    monkeypatch.setattr(op_costs, "profile_nodes", lambda *a, **k: timed.append(1) or profile(*a, **k))
     try:
         optsched.optimize(model, lb, example_inputs=inputs, time_limit_s=1)
     except optsched.BudgetInfeasibleError:

@@ -38,6 +38,7 @@ from optsched.solvers.search.heuristics import full_recompute, greedy_recompute,
 from optsched.solvers.search.reorder import base_orders
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.bruteforce import least_time_within, replay, topological_fw_orders
+from tests.hypothesis_profiles import examples
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -598,7 +599,7 @@ def test_lower_bound_with_reuse_minimal():
     assert lower_bound_peak(p) <= 64 + 128
 
 
-@settings(FUZZ, max_examples=300)  # simulation only: cheap, so many examples
+@settings(FUZZ, max_examples=examples(300))  # simulation only: cheap, so many examples
 @given(training_problems())
 def test_lower_bound_is_below_every_heuristic_plan(problem):
     lb = lower_bound_peak(problem)

@@ -58,7 +58,7 @@ def test_op_times_are_measured_on_cuda_by_default_and_a_named_profile_is_the_roo
     """On an H200 the roofline put a Llama step at 0.56x of what ran: the default measures op times on a GPU
     as on the CPU (the timers wait for the kernels); naming a profile still plans with its roofline."""
     from optsched.budget import parse_budget
-    from optsched.planner import Target
+    from optsched.planning import Target
     from optsched.settings import PlanningSettings
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")

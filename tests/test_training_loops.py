@@ -44,11 +44,12 @@ def gpt_accumulation():
     torch.manual_seed(0)
     eager_one = measure_training_step(model, model, batches[0])
     eager_peak, eager_grads = _accumulating_step(model, model, batches)
-    opt = optsched.optimize(model, "60%", time_limit_s=10, deterministic=True)
+    opt = optsched.optimize(model, "60%", device_profile="cpu", time_limit_s=2)
     opt_peak, opt_grads = _accumulating_step(opt, model, batches)
     return opt, eager_one, eager_peak, eager_grads, opt_peak, opt_grads
 
 
+@pytest.mark.xdist_group("training-loops-gpt-accumulation")
 def test_accumulation_stays_within_the_budget_with_gradients_present(gpt_accumulation):
     opt, eager_one, eager_peak, _eg, opt_peak, _og = gpt_accumulation
     budget = opt.plan.budget_bytes
@@ -59,6 +60,7 @@ def test_accumulation_stays_within_the_budget_with_gradients_present(gpt_accumul
     assert opt_peak == opt.plan.predicted_peak_bytes
 
 
+@pytest.mark.xdist_group("training-loops-gpt-accumulation")
 def test_accumulated_gradients_equal_eager(gpt_accumulation):
     *_, eager_grads, _op, opt_grads = gpt_accumulation
     for k, g in eager_grads.items():
@@ -73,7 +75,7 @@ def test_a_step_without_gradients_keeps_its_own_plan():
     def loss(m):
         return m(x).square().mean()  # the loss outside: the caller's usage is seen at the first backward
 
-    opt = optsched.optimize(model, None, time_limit_s=2)
+    opt = optsched.optimize(model, None, device_profile="cpu", time_limit_s=1)
     for _ in range(2):  # the second step plans for the usage the first one saw
         model.zero_grad(set_to_none=True)
         loss(opt).backward()
@@ -93,7 +95,7 @@ def test_accumulation_steps_have_their_own_plan_file(tmp_path):
     path = tmp_path / "mlp.json"
     loaded = []
     for _ in range(2):
-        opt = optsched.optimize(model, None, plan=path, time_limit_s=2)
+        opt = optsched.optimize(model, None, device_profile="cpu", plan=path, time_limit_s=1)
         model.zero_grad(set_to_none=True)
         for _micro in range(2):
             opt(x).sum().backward()
@@ -109,7 +111,7 @@ def test_plan_describes_the_program_that_ran_when_autocast_switches():
     leaving `.plan` on the last program compiled)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
     x = torch.randn(16, 64)
-    opt = optsched.optimize(model, None, time_limit_s=2)
+    opt = optsched.optimize(model, None, device_profile="cpu", time_limit_s=1)
 
     def step():
         for _ in range(2):  # the second step plans for the usage the first one saw
@@ -137,7 +139,7 @@ def test_a_second_micro_batch_whose_share_no_plan_meets_runs_with_the_first_micr
     model = gpt.build(cfg)
     batches = [gpt.make_batch(cfg, batch_size=4, seed=s) for s in range(2)]
     eager_peak, eager_grads = _accumulating_step(model, model, batches)
-    opt = optsched.optimize(model, "60%", time_limit_s=2)
+    opt = optsched.optimize(model, "60%", device_profile="cpu", time_limit_s=2)
     opt_peak, opt_grads = _accumulating_step(opt, model, batches)
     plan = opt.plan
     assert plan.summary()["grads_at_start"] is True

@@ -184,7 +184,7 @@ def test_selective_checkpointing_keeps_what_the_policy_saves():
 
 
 def test_the_users_plan_is_kept_when_the_solver_finds_nothing_under_it(monkeypatch):
-    import optsched.planner as backend
+    from optsched.planning import solving as backend
 
     def nothing_fits(problem, budget_bytes, **_kw):
         raise BudgetInfeasibleError(budget_bytes or 0, 2**40, 0)

@@ -159,13 +159,13 @@ def test_start_from_a_plan_meets_its_peak_and_is_never_worse_below_it():
 
 
 def test_an_unproven_error_says_how_to_start_from_its_plan():
-    from optsched.planner import _start_from_note
+    from optsched.planning.errors import start_from_note
     from optsched.solvers import Schedule
 
     open_gap = optsched.BudgetInfeasibleError(1000, 2000, 500, Schedule([0], []))
-    assert "mem_budget=2000, start_from=<this error>" in _start_from_note(open_gap)
-    assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 1500, Schedule([0], []))) == ""  # proven
-    assert _start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 500)) == ""  # no plan to start from
+    assert "mem_budget=2000, start_from=<this error>" in start_from_note(open_gap)
+    assert start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 1500, Schedule([0], []))) == ""  # proven
+    assert start_from_note(optsched.BudgetInfeasibleError(1000, 2000, 500)) == ""  # no plan to start from
 
 
 def test_start_from_a_plan_file_starts_from_its_schedule(tmp_path):

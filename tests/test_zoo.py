@@ -57,7 +57,10 @@ OUT_OF_REACH_AT_60: dict[str, str] = {
 
 
 def _case_params():
-    return [pytest.param(name, id=name, marks=() if name in DEFAULT_SUBSET else (pytest.mark.zoo,)) for name in zoo.CASES]
+    """One per case; one worker runs a case (`_run`) for all its tests (see tests/conftest.py)."""
+    return [pytest.param(name, id=name, marks=(pytest.mark.xdist_group(f"zoo-{name}"),
+                                               *(() if name in DEFAULT_SUBSET else (pytest.mark.zoo,))))
+            for name in zoo.CASES]
 
 
 # cases whose 60% is below what the captured cross-entropy itself needs: its backward `_log_softmax_backward_data`

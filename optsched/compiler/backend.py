@@ -1,13 +1,14 @@
 """The torch.compile backend: AOTAutograd hands us the graph, the planner plans it, we return our programs.
 
 Only the compile hooks live here: the partition hook (training: the joint forward+backward graph) and
-the inference compiler (forward only) hand their graph to a `planner.Planner` and lower its plan; the
+the inference compiler (forward only) hand their graph to a `planning.Planner` and lower the graph it planned; the
 forward and backward wrappers observe what the caller does with the outputs (`output_usage`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -21,7 +22,8 @@ from ..costs.measure import device_of
 from ..lower.offload_runtime import OffloadDeviceError, OffloadRuntime, SlotSpec
 from ..lower.programs import boxed, lower_inference, lower_training
 from ..passes.prepare import prepare_inference, prepare_training
-from ..planner import CostCache, Planner, Target
+from ..planning import Planner, ProgramKind, Target
+from ..costs.cost_cache import CostCache
 from ..plans.file_format import PlanFile
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
@@ -180,68 +182,24 @@ class PlanningBackend:
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs):
         """The planned forward, saying that this variant ran and telling the usage observer what the caller was handed."""
-        # no donated buffers: our backward frees (and may write into) saved tensors itself, and refuses a kept graph
-        # with its own error (lower.programs.KeptGraphError), which AOTAutograd's donated-buffer check would pre-empt
-        context = TracingContext.try_get()
-        if context is not None and context.fw_metadata is not None:
-            context.fw_metadata.bw_donated_idxs = []
-        return self._recording_runs(boxed(gm), self.observer)
-
-    def _recording_runs(self, run: Callable, observer: UsageObserver | None = None) -> Callable:
-        ran = self._ran
-        n_outputs = observer.n_outputs if observer is not None else 0
-
-        def forward(args: list):
-            ran()
-            out = run(args)
-            if observer is not None:
-                observer.forward_done(out, n_outputs)
-            return out
-
-        forward._boxed_call = True  # type: ignore[attr-defined]
-        forward.graph_module = getattr(run, "graph_module", None)  # type: ignore[attr-defined]
-        return forward
+        _no_donated_buffers()
+        return recording_forward(boxed(gm), self._ran, self.observer)
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs):
         """The backward, taking None for an output no gradient flowed into (see output_usage)."""
-        run, observer, handover = boxed(gm), self.observer, self.handover
-        positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
-                     if n.name.startswith("tangents")]
-        if handover is not None and len(positions) != len(handover.tangent_of):  # pragma: no cover
-            raise RuntimeError(f"the lowered backward has {len(positions)} tangents, the joint graph {len(handover.tangent_of)}")
-
-        def backward(args: list):
-            if handover is not None:
-                handover.give(args, positions)  # the gradients the engine's pre-hook took (tangent_handover)
-            tangents = [args[i] for i, _meta in positions]  # None where no gradient came (zeros_if_missing)
-            if observer is None:
-                del tangents
-                return run(args)
-            observer.backward_start(tangents, args)  # args: an output the backward reads may be the caller's tensor
-            del tangents
-            grads = run(args)
-            observer.backward_done()
-            return grads
-
-        backward._boxed_call = True  # type: ignore[attr-defined]
-        return backward
+        return observed_backward(gm, self.observer, self.handover)
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_kwargs):
         """Plan the training step and lower it: the planned forward and backward."""
         prepare_training(joint)  # dropout(p=0), in-place activations, BatchNorm: what eager never keeps
-        tangent_of = tangent_outputs(joint, [p for p in joint.graph.find_nodes(op="placeholder") if "tangents" in p.name])
-        handed = can_hand_over(joint, num_fwd_outputs, tangent_of)
-        self.handover = TangentHandover(num_fwd_outputs, tangent_of) if handed else None
-        jg = build_joint_graph(joint, num_fwd_outputs, freed_tangents=handed)
+        self.handover = _tangent_handover(joint, num_fwd_outputs)
+        jg = build_joint_graph(joint, num_fwd_outputs, freed_tangents=self.handover is not None)
         usage, tangent_of = self._training_usage(joint, jg)
-        plan, items = self.planner.plan(joint, jg, "training step", usage)
-        self.observer = UsageObserver(
-            OutputUsage.parse(plan.output_usage), tangent_of, self.on_usage, _scalar_outputs(jg), _view_outputs(jg),
-            _peak_as_seen(plan, jg),
-        )
-        fw, bw, _saved = lower_training(
-            jg, plan.problem, items, plan.schedule, plan.sim.reused, plan.sim.offloads, self._runtime
-        )
+        planned = self.planner.plan(joint, jg, ProgramKind.TRAINING, usage)
+        plan, jg = planned.plan, planned.graph  # the graph planned: a chunked copy of the joint graph, maybe
+        self.observer = _usage_observer(plan, jg, tangent_of, self.on_usage)
+        fw, bw, _saved = lower_training(jg, plan.problem, planned.items, plan.schedule, plan.sim.reused,
+                                        plan.sim.offloads, functools.partial(offload_runtime, self.target))
         return fw, bw
 
     def _training_usage(self, joint: fx.GraphModule, jg) -> tuple[OutputUsage, list[int | None]]:
@@ -251,18 +209,88 @@ class PlanningBackend:
             return self.usage, tangent_of
         return default_usage(jg.fw_outputs, tangent_of), tangent_of
 
-    def _runtime(self, slots: list[SlotSpec]) -> OffloadRuntime:
-        # partitioning runs under fake tensors; the host pool must be real, and allocated now, not in a step
-        target = self.target
-        with unset_fake_temporarily():
-            try:
-                return OffloadRuntime(slots, target.device, planned_for=target.profile.device_type)
-            except OffloadDeviceError as e:
-                raise OffloadDeviceError(f"device profile {target.profile.name!r}: {e}") from None
-
     def compile_inference(self, gm: fx.GraphModule, example_inputs):
         """Plan a forward-only program (its passes first) and lower it."""
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)
         jg = build_joint_graph(gm, None)
-        plan, items = self.planner.plan(gm, jg, "forward")
-        return self._recording_runs(boxed(lower_inference(jg, items, plan.schedule, plan.sim.reused)))
+        planned = self.planner.plan(gm, jg, ProgramKind.FORWARD)
+        plan = planned.plan
+        return recording_forward(boxed(lower_inference(planned.graph, planned.items, plan.schedule, plan.sim.reused)),
+                                 self._ran)
+
+
+# ---- the programs' wrappers and parts of the hooks, apart from the backend that holds them
+
+
+def _no_donated_buffers() -> None:
+    """No donated buffers for the forward being compiled: our backward frees (and may write into) saved tensors
+    itself, and refuses a kept graph with its own error (lower.programs.KeptGraphError), which AOTAutograd's
+    donated-buffer check would pre-empt."""
+    context = TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        context.fw_metadata.bw_donated_idxs = []
+
+
+def recording_forward(run: Callable, ran: Callable[[], None], observer: UsageObserver | None = None) -> Callable:
+    """The boxed forward `run`, calling `ran` first (the variant that ran) and telling `observer` what the caller
+    was handed."""
+    n_outputs = observer.n_outputs if observer is not None else 0
+
+    def forward(args: list):
+        ran()
+        out = run(args)
+        if observer is not None:
+            observer.forward_done(out, n_outputs)
+        return out
+
+    forward._boxed_call = True  # type: ignore[attr-defined]
+    forward.graph_module = getattr(run, "graph_module", None)  # type: ignore[attr-defined]
+    return forward
+
+
+def observed_backward(gm: fx.GraphModule, observer: UsageObserver | None, handover: TangentHandover | None) -> Callable:
+    """The boxed backward `gm`, given the output gradients `handover` took from the engine, and telling `observer`
+    which came (None where no gradient flowed: see output_usage)."""
+    run = boxed(gm)
+    positions = [(i, n.meta["val"]) for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+                 if n.name.startswith("tangents")]
+    if handover is not None and len(positions) != len(handover.tangent_of):  # pragma: no cover
+        raise RuntimeError(f"the lowered backward has {len(positions)} tangents, the joint graph {len(handover.tangent_of)}")
+
+    def backward(args: list):
+        if handover is not None:
+            handover.give(args, positions)  # the gradients the engine's pre-hook took (tangent_handover)
+        tangents = [args[i] for i, _meta in positions]  # None where no gradient came (zeros_if_missing)
+        if observer is None:
+            del tangents
+            return run(args)
+        observer.backward_start(tangents, args)  # args: an output the backward reads may be the caller's tensor
+        del tangents
+        grads = run(args)
+        observer.backward_done()
+        return grads
+
+    backward._boxed_call = True  # type: ignore[attr-defined]
+    return backward
+
+
+def _tangent_handover(joint: fx.GraphModule, num_fwd_outputs: int) -> TangentHandover | None:
+    """The hand-over of output gradients from the engine to the backward, where the joint graph allows it."""
+    tangent_of = tangent_outputs(joint, [p for p in joint.graph.find_nodes(op="placeholder") if "tangents" in p.name])
+    return TangentHandover(num_fwd_outputs, tangent_of) if can_hand_over(joint, num_fwd_outputs, tangent_of) else None
+
+
+def _usage_observer(plan: Plan, jg, tangent_of: list[int | None], on_usage: Callable | None) -> UsageObserver:
+    """The observer of what the caller does with the planned program's outputs (planned for `plan.output_usage`)."""
+    return UsageObserver(OutputUsage.parse(plan.output_usage), tangent_of, on_usage, _scalar_outputs(jg),
+                         _view_outputs(jg), _peak_as_seen(plan, jg))
+
+
+def offload_runtime(target: Target, slots: list[SlotSpec]) -> OffloadRuntime:
+    """The host pool and copy queues of a plan's offloads on `target`: real and allocated now, while partitioning
+    runs under fake tensors, not in a step."""
+    with unset_fake_temporarily():
+        try:
+            return OffloadRuntime(slots, target.device, planned_for=target.profile.device_type)
+        except OffloadDeviceError as e:
+            raise OffloadDeviceError(f"device profile {target.profile.name!r}: {e}") from None

@@ -35,7 +35,8 @@ from torch.utils.flop_counter import flop_registry
 from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, default_partition, tree_leaves
 
 from ..passes.prepare import prepare_inference, prepare_training
-from ..planner import Planner, Target, default_offload, host_budget_bytes
+from ..planning import Planner, ProgramKind, Target
+from ..planning.program import default_offload, host_budget_bytes
 from ..settings import PlanningSettings
 from .backend import PlanningBackend, aot_hooks
 from ..budget import parse_planning_options
@@ -171,7 +172,7 @@ class OfflineBackend(PlanningBackend):
         self._captured(joint)
         prepare_training(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
-        self.planner.plan(joint, jg, "training step", self._training_usage(joint, jg)[0])  # optimize()'s first guess
+        self.planner.plan(joint, jg, ProgramKind.TRAINING, self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
@@ -186,7 +187,7 @@ class OfflineBackend(PlanningBackend):
         self._captured(gm)
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
-        self.planner.plan(gm, jg, "forward")
+        self.planner.plan(gm, jg, ProgramKind.FORWARD)
         self._done()
         return _not_lowered
 

@@ -71,7 +71,7 @@ _INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one per power o
 # ops that call cuBLAS (aten overload packet names; matmul, linear, einsum reach the graph as these)
 CUBLAS_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation", "_int_mm",
-    "_scaled_mm", "linear_cross_entropy",  # the last: optsched's chunked LM head (lower/chunked_ce.py)
+    "_scaled_mm", "linear_cross_entropy",  # the last: optsched's chunked LM head (passes/chunked_ce.py)
 })
 # ops that take the cuBLASLt path (and its workspace) without TORCH_BLAS_PREFER_CUBLASLT
 CUBLASLT_OPS = frozenset({"_addmm_activation", "_scaled_mm"})

@@ -14,11 +14,12 @@ from .cuda_allocator import (
     CUBLAS_OPS, CUBLASLT_OPS, AllocatorConfig, ThreadUse, addmm_uses_cublaslt, allocated_bytes, persistent_allocations,
 )
 from .profiles import DeviceProfile, NodeCosts, compute_capability, node_flops, node_time
-from ..lower.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
+from ..passes.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph, Storage
 from .sdpa_prediction import host_outputs
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..capture.output_usage import OutputUsage, tangent_outputs
+from ..solvers.model import clock
 from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
 from .._torch import INPUT_MUTATION_AOT_OUTPUT, BlasBackend, OpOverload
 
@@ -282,7 +283,7 @@ def order_writes(jg: JointGraph, nodes: list[fx.Node], ops: list[Op], tensors: l
 
 
 def _roofline(node: fx.Node, profile: DeviceProfile) -> float:
-    """The profile's roofline time; the chunked LM head + cross-entropy (lower/chunked_ce.py) as its k chunks
+    """The profile's roofline time; the chunked LM head + cross-entropy (passes/chunked_ce.py) as its k chunks
     run: each reads the weight twice and reads and writes the weight's gradient, and launches its kernels."""
     if node.target is not CHUNKED_CE:
         return node_time(node, profile)
@@ -307,6 +308,7 @@ def build_problem(
     device: torch.device | str | None = None,
     grads_at_start: bool = False,
     unread_state: Sequence[tuple[str, int]] = (),
+    optimizer_state: Sequence[tuple[str, int]] = (),
 ) -> Built:
     """Ops in program order (forward, then backward).
 
@@ -321,6 +323,8 @@ def build_problem(
     `grads_at_start`: the step accumulates into gradients that exist when it starts (see `_grads_at_start`).
     `unread_state`: (name, bytes) of the module's parameters and buffers the program does not read (an unused
     submodule, a buffer kept for checkpoints): on the device the whole step, as the allocator counts them.
+    `optimizer_state`: (name, bytes) of each state tensor of the user's optimizer (planning/optimizer_step.py):
+    counted alike, from the first step on, though torch creates it at the first `opt.step()`.
     `device`: where the program runs (the planner's target device; "meta" for an offline capture,
     which runs on the profile's device; None: the device of the graph's tensors). On CUDA, bytes are
     what the caching allocator counts (see `CudaMemory`); elsewhere, the storages' sizes.
@@ -382,10 +386,13 @@ def build_problem(
     tensors = tensors + [Tensor(len(tensors) + i, f"{n} (module state the program does not read)",
                                 cuda.count(b) if cuda is not None else b, TensorKind.INPUT, offloadable=False)
                          for i, (n, b) in enumerate(unread_state)]
+    tensors = tensors + [Tensor(len(tensors) + i, f"{n} (optimizer state)", cuda.count(b) if cuda is not None else b,
+                                TensorKind.INPUT, offloadable=False) for i, (n, b) in enumerate(optimizer_state)]
     problem = Problem(
         ops, tensors, frozenset(held), returned=frozenset(returned), name=name,
         host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,
     )
+    clock.count("problem_op", len(problem.ops))  # its building on the solvers' clock (deterministic mode)
     return Built(problem, nodes)
 
 

@@ -33,7 +33,8 @@ class NodeCosts:
     scratch_measured: bool = True  # False when another profiler was running (workspace and reuse_ok then empty)
     unmeasured: dict[str, str] = field(default_factory=dict)  # node name -> why it could not run alone (roofline time)
     estimated: list[str] = field(default_factory=list)  # not timed: op timing's time was up (roofline time, no scratch)
-    distinct: int = 0  # distinct ops timed (identical ops are timed once)
+    distinct: int = 0  # distinct ops with a measured time (identical ops are timed once)
+    reused: int = 0  # of those, the ones an earlier graph of the process timed (costs/op_cache.py): not run again
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,16 @@ seen, floats a fixed pattern (`random_like`); an op that fails on made-up inputs
 (listed in `NodeCosts.unmeasured`).
 
 Identical ops (same target, argument layouts and values: a transformer's layers, an unrolled RNN's steps)
-run once and share the measurement, and times are rounded to a coarse grid (`stable_time`), so two planning
-runs of one graph mostly plan on the same costs. A time limit bounds the timing: the lightest ops are left
-to the roofline when it is spent (issue 34: an LSTM's first call spent 290 s timing ops).
+run once and share the measurement, within a graph and across the graphs of the process (`op_cache`); a time is
+the median of its runs rounded to a coarse grid (`stable_time`), so two planning runs of one graph mostly plan on
+the same costs. A limit on the solvers' clock bounds the timing: the lightest ops are left to the roofline when it
+is spent (issue 34: an LSTM's first call spent 290 s timing ops).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Mapping
 
@@ -30,8 +32,10 @@ import torch
 import torch.fx as fx
 from torch.autograd.profiler import record_function
 
+from . import op_cache
 from .profiles import NodeCosts, get_profile, node_time, random_like
 from .measure import device_sync, memory_profile, walk_events
+from ..solvers.model import clock
 from ..passes.op_variants import inplace_foreach, out_variant
 from .._torch import ALLOCATION_EVENT
 
@@ -50,21 +54,27 @@ def profile_nodes(
     in place by ops that do not write them.
 
     Identical ops (`op_key`: a transformer's layers) run once, their measurements shared, the heaviest
-    first. Once `time_limit_s` (wall seconds) has passed, the ops not yet timed keep the roofline's time
+    first; an op an earlier graph of the process timed is not timed again (`op_cache`). Once `time_limit_s`
+    has passed on the solvers' clock (wall seconds, or in deterministic mode the work counted: "op_timed" per
+    op, so the ops cut off are the same on every run), the ops not yet timed keep the roofline's time
     (`NodeCosts.estimated`); their scratch space is still measured (one run each): a plan must hold it."""
     from .._torch import profiler_enabled, unset_fake_temporarily
 
     groups = _heaviest_first(identical_ops(gm), device)
     times: dict[str, float] = {}
     unmeasured: dict[str, str] = {}
+    op_cache.load_shared()
     with unset_fake_temporarily(), torch.no_grad():
         inputs = _OpInputs(gm, device, real_inputs or {})
-        timed, left = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured)
-        if profiler_enabled():
+        profiled = profiler_enabled()  # someone's profiling session: its overhead is in every run, not kept
+        timed, left, reused = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured, keep=not profiled)
+        if len(timed) > reused and not profiled:
+            op_cache.save_shared()
+        if profiled:
             # planning inside someone's profiling session (a measured first call): a profiler of our own would
             # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
             return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured,
-                             estimated=[n.name for ops in left for n in ops], distinct=len(timed))
+                             estimated=[n.name for ops in left for n in ops], distinct=len(timed), reused=reused)
         runs = [same for ops in timed + left for same in _same_out_form(ops, reuse_inputs)]
         with memory_profile() as prof:
             for same in runs:
@@ -84,27 +94,38 @@ def profile_nodes(
         workspace.pop(name, None)
         reuse_ok.pop(name, None)
     estimated = [n.name for ops in left for n in ops if n.name not in unmeasured]
-    return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured, estimated=estimated, distinct=len(timed))
+    return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured, estimated=estimated, distinct=len(timed),
+                     reused=reused)
 
 
 def _time_ops(groups: list[list[fx.Node]], inputs: _OpInputs, repeat: int, time_limit_s: float | None,
-              times: dict[str, float], unmeasured: dict[str, str]) -> tuple[list[list[fx.Node]], list[list[fx.Node]]]:
-    """Each group's first op timed for all of them, into `times` (or why not, into `unmeasured`), until
-    `time_limit_s` has passed: the groups timed, and those left untimed."""
-    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
-    timed, left = [], []
+              times: dict[str, float], unmeasured: dict[str, str], keep: bool,
+              ) -> tuple[list[list[fx.Node]], list[list[fx.Node]], int]:
+    """Each group's time, `op_cache`'s or its first op's timed (kept there if `keep`), for all of them into
+    `times` (or why not, into `unmeasured`), timing until `time_limit_s` has passed on the solvers' clock:
+    the groups with a time, those left without, and how many times came from the cache."""
+    deadline = None if time_limit_s is None else clock.now() + time_limit_s
+    timed, left, reused = [], [], 0
     for ops in groups:
-        if deadline is not None and time.perf_counter() >= deadline:
+        key = shared_key(ops[0], inputs.device)
+        t = None if key is None else op_cache.get(key)
+        reused += t is not None
+        if t is None and deadline is not None and clock.now() >= deadline:
             left.append(ops)
             continue
-        try:
-            t = stable_time(_time_op(ops[0], inputs, repeat))
-        except Exception as e:  # noqa: BLE001 - made-up inputs an op rejects: the roofline times it
-            unmeasured.update(dict.fromkeys((n.name for n in ops), _why(e)))
-            continue
+        if t is None:
+            try:
+                t = stable_time(_time_op(ops[0], inputs, repeat))
+            except Exception as e:  # noqa: BLE001 - made-up inputs an op rejects: the roofline times it
+                unmeasured.update(dict.fromkeys((n.name for n in ops), _why(e)))
+                continue
+            finally:
+                clock.count("op_timed")
+            if key is not None and keep:
+                op_cache.put(key, t)
         times.update(dict.fromkeys((n.name for n in ops), t))
         timed.append(ops)
-    return timed, left
+    return timed, left, reused
 
 
 def _why(e: Exception) -> str:
@@ -138,6 +159,18 @@ def op_key(n: fx.Node) -> tuple:
         return (type(a).__name__, repr(a))
 
     return (n.target, key(n.args), key(n.kwargs))
+
+
+def shared_key(n: fx.Node, device: torch.device) -> str | None:
+    """`n`'s key in `op_cache` (`op_key` on `device`, as text); None when its time may depend on what only its
+    own graph has (a module attribute, a constant tensor, a value without a layout): another graph's of that
+    name may differ."""
+    key = op_key(n)
+    return None if _local(key) else repr((op_cache.place(device), key))
+
+
+def _local(key) -> bool:
+    return isinstance(key, tuple) and (key[:1] in (("attr",), ("tensor",), ("own",)) or any(map(_local, key)))
 
 
 def _val_key(v, n: fx.Node):
@@ -238,8 +271,11 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
 
 
 def _time_op(n: fx.Node, inputs: _OpInputs, repeat: int) -> float:
-    """Fastest of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`,
-    within `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run."""
+    """Median of at least `repeat` runs after a warm-up; a fast op runs more often (up to `_MAX_RUNS`,
+    within `_SHORT_S` in all), since one descheduled thread on a busy machine adds a whole time slice to a run.
+    The median, not the fastest run: on a loaded machine the fastest is the rare run no thread waited in, the
+    median what a run takes under that load, which another process sees again (an 8-op graph timed in 8
+    processes at load 6 on 2 cores: 32% of ops equal on the TIME_STEP grid by median, 17% by fastest run)."""
     args, kwargs, _ = inputs.args(n)
     sync = device_sync()
     n.target(*args, **kwargs)  # warms caches and the allocator (the result is dropped at once)
@@ -251,17 +287,20 @@ def _time_op(n: fx.Node, inputs: _OpInputs, repeat: int) -> float:
         sync()
         runs.append(time.perf_counter() - t0)
         del out
-    return min(runs)
+    return statistics.median(runs)
 
 
 _SHORT_S = 0.05
 _MAX_RUNS = 20
 TIME_STEP = 2 ** 0.25
-"""Measured times are rounded to a power of TIME_STEP (times 1 ns), ±9%: one op's fastest run in two processes
-differs by 2% (median) to 8% (9 in 10 ops) on the 2-core reference machine, so about 4 in 5 ops get the same
-time in both (GPT: 391 of 472 ops, against 5 of 472 unrounded). Not all: a deterministic plan still changes
-with any op's cost, so two fresh processes may plan differently (issue 34); a plan file replays one plan."""
-TIME_FLOOR_S = 1e-7  # below what perf_counter around a Python call resolves (two calls take ~70 ns)
+"""Measured times are rounded to a power of TIME_STEP (times 1 ns), ±9%, and raised to TIME_FLOOR_S: on the idle
+reference machine one op's fastest run in two processes differed by 2% (median) to 8% (9 in 10 ops), so most ops
+get the same time in both. Not all, and on a loaded machine far fewer (the bundled GPT's 95 distinct ops timed in 4
+processes at load 5-8 on 2 cores: 49% equal, pair by pair). A deterministic plan changes with any op's cost, so
+two fresh processes plan alike only on shared measurements (`op_cache.save` and `load`) or a plan file."""
+TIME_FLOOR_S = 1e-5
+"""An op called from Python spends a few µs in dispatch, varying by as much: below 10 µs the timer measures the call,
+not the op (GPT's ops under 10 µs in the runs above: equal in 66% of pairs on the grid alone, 99% floored)."""
 
 
 def stable_time(seconds: float) -> float:

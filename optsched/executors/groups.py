@@ -1,6 +1,6 @@
 """Fusion groups on the captured graph: which ops form a kernel, as what subgraph, at what cost.
 
-Which ops form a group is decided on the problem (`solvers.fusion.find_groups`: connected,
+Which ops form a group is decided on the problem (by the planner, `solvers/search/fusion_groups.find_groups`: connected,
 convex sets of ops the executor can fuse, joined by values only members read). Here each
 group becomes a small fx.GraphModule (placeholders: the values it reads from outside;
 output: the values it materializes; members writing into inputs keep their out= form) that
@@ -24,7 +24,9 @@ from .base import Executor
 from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
 from ..costs.measure import device_sync, measure_peak
-from ..solvers.search.fusion_groups import check_group, internal_tensors
+from ..solvers.model import clock
+from ..solvers.model.calibration import compile_unit
+from ..solvers.model.fusion_sim import internal_tensors
 from ..solvers.model.problem import Problem, convexity_violation, reject
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,10 @@ def compile_groups(
             if key not in cache:
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))
+                clock.count(compile_unit(executor.name))  # on the solvers' clock: planning time (deterministic mode)
                 if measure:
                     done.time_s, done.workspace_bytes = _profile_kernel(done.kernel, example)
+                    clock.count("op_timed")
                 cache[key] = done
             g.kernel, g.time_s, g.workspace_bytes = cache[key].kernel, cache[key].time_s, cache[key].workspace_bytes
 
@@ -177,12 +181,11 @@ def horizontal_candidates(
     for members in sorted(classes.values(), key=len, reverse=True):
         if len(members) < 2:
             continue
-        try:
-            check_group(problem, members)
-        except ValueError as e:
-            if convexity_violation(problem, members) is None:
-                raise  # a class is of one phase, in program order: only not being convex is expected
-            reject(log, "horizontal fusion candidate(s) rejected, not convex", e)
+        between = convexity_violation(problem, members)  # a class is of one phase, in program order already
+        if between is not None:
+            reject(log, "horizontal fusion candidate(s) rejected, not convex", ValueError(
+                f"fusion group {[problem.ops[o].name for o in members]} is not convex: "
+                f"{problem.ops[between].name!r} lies between its members"))
             continue
         out.append(members)
     return out[:limit]

@@ -83,17 +83,11 @@ class HostBuffers:
         return refs is None or self._own_refs is None or refs > self._own_refs
 
 
-def _use_count() -> Any:
-    """torch's count of a storage's references (a private symbol: None where this torch lacks it)."""
-    from .._torch import storage_use_count  # looked up at each call, as torch has it now
-
-    return storage_use_count
-
-
 def _storage_refs(t: torch.Tensor) -> int | None:
     """How many references hold `t`'s storage; None where this torch cannot say."""
-    use_count = _use_count()
-    return use_count(t.untyped_storage()._cdata) if use_count else None
+    from .._torch import storage_refs  # looked up at each call, as torch has it now
+
+    return storage_refs(t)
 
 
 @dataclass(eq=False)
@@ -184,6 +178,34 @@ class _StreamCopies:
         bufs.reads.clear()
 
 
+def _checked_device(device: torch.device | str, planned_for: str) -> torch.device:
+    """The device a plan's offloads run on, refused (OffloadDeviceError) unless it is the kind planned for and
+    present."""
+    device = torch.device(device)
+    if planned_for != device.type:
+        raise OffloadDeviceError(
+            f"this plan offloads activations as planned for {planned_for!r}, but the step runs on {device}: "
+            f"plan again with a profile for this device (optimize(..., device_profile=...)), "
+            f"or run on the device it was planned for ({planned_for})"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OffloadDeviceError(
+            f"this plan offloads activations to pinned host memory on {device} (planned for {planned_for!r}), "
+            "but torch.cuda.is_available() is False: run on a machine with a CUDA device, "
+            "or plan again with a profile for this device (e.g. device_profile='cpu')"
+        )
+    return device
+
+
+def _layout(specs: list[SlotSpec]) -> tuple[list[int], int]:
+    """Each slot's byte offset in a buffer set (each at a multiple of _ALIGN), and the set's bytes."""
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += -(-spec.nbytes // _ALIGN) * _ALIGN
+    return offsets, total
+
+
 class OffloadRuntime:
     """Host slots and copy queues for one plan; its methods are the lowered programs' call targets.
 
@@ -192,27 +214,9 @@ class OffloadRuntime:
     """
 
     def __init__(self, slots: list[SlotSpec], device: torch.device, planned_for: str) -> None:
-        device = torch.device(device)
-        if planned_for != device.type:
-            raise OffloadDeviceError(
-                f"this plan offloads activations as planned for {planned_for!r}, but the step runs on {device}: "
-                f"plan again with a profile for this device (optimize(..., device_profile=...)), "
-                f"or run on the device it was planned for ({planned_for})"
-            )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise OffloadDeviceError(
-                f"this plan offloads activations to pinned host memory on {device} (planned for {planned_for!r}), "
-                "but torch.cuda.is_available() is False: run on a machine with a CUDA device, "
-                "or plan again with a profile for this device (e.g. device_profile='cpu')"
-            )
-        self.device = device
+        self.device = device = _checked_device(device, planned_for)
         self.specs = list(slots)
-        self._offsets: list[int] = []
-        total = 0
-        for spec in self.specs:
-            self._offsets.append(total)
-            total += -(-spec.nbytes // _ALIGN) * _ALIGN
-        self._set_bytes = total
+        self._offsets, self._set_bytes = _layout(self.specs)
         self._copies = _StreamCopies(device) if device.type == "cuda" else _ThreadCopies()
         self._sets: list[HostBuffers] = []
         self._by_ptr: dict[int, HostBuffers] = {}
@@ -236,7 +240,7 @@ class OffloadRuntime:
         Where torch cannot count a storage's references every set counts as busy: each step then
         gets a fresh set (host memory allocated per step), and the sets whose tensors are dead are
         forgotten rather than kept (a view still alive keeps its storage, which is never rewritten)."""
-        if _use_count() is None:
+        if self._sets and _storage_refs(self._sets[0].buffer) is None:
             warnings.warn("torch._C._storage_Use_Count is missing in this torch: optsched cannot tell when an "
                           "offload host buffer is free again, so each step allocates a fresh one", RuntimeWarning,
                           stacklevel=2)

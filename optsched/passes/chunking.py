@@ -18,17 +18,17 @@ Between the matmul and the log-softmax, `find_chains` follows what the LM heads 
   take no loss and no gradient;
 - the logits as a forward output too (HF models called with `labels=` return them with the loss): the
   chunked op writes them whole, and the backward adds what the logits' incoming gradient gives (the
-  zeros of an output no gradient flowed into cost no matmul: `lower/chunked_ce.linear_cross_entropy_backward`).
+  zeros of an output no gradient flowed into cost no matmul: `passes/chunked_ce.linear_cross_entropy_backward`).
 
 Labels may come from any path (transformers' `pad` + `slice` shift; `ignore_index`); mean or sum
 reduction. Tied embeddings need nothing: the head's weight gradient is one of the two terms the graph
 already adds. `find_chains` says why it leaves a cross-entropy alone (`skipped`), and `why_no_chain`
 what it saw when there is none. `chunk(gm, k)` replaces each chain with one
-`lower/chunked_ce.linear_cross_entropy` node, which computes the loss and all gradients run by run (only
+`passes/chunked_ce.linear_cross_entropy` node, which computes the loss and all gradients run by run (only
 one run's logits alive), and the backward's scaling of those gradients by the loss's incoming gradient.
 k = 1 is the same fused form with one run.
 
-The planner (`Planner._solve_chunked`) tries each count of `CHUNK_COUNTS` on a copy of the graph
+The planner (planning.variants) tries each count of `CHUNK_COUNTS` on a copy of the graph
 (`copy_graph`) and keeps the fastest plan that fits the budget.
 """
 
@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from .._torch import detect_fake_mode
-from ..lower.chunked_ce import BACKWARD_OP, OP
+from .chunked_ce import BACKWARD_OP, OP
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
@@ -67,7 +67,7 @@ class Chain:
     bias: fx.Node | None = None  # addmm's, or the [V] vector added to the matmul's output
     grad_bias: fx.Node | None = None  # sum(grad_logits, rows)
     upcast: bool = False  # half logits, float32 log-softmax
-    row_slice: tuple[int, int, int, int] | None = None  # (length, start, stop, inner): see lower/chunked_ce
+    row_slice: tuple[int, int, int, int] | None = None  # (length, start, stop, inner): see passes/chunked_ce
     exported: list[fx.Node] = field(default_factory=list)  # logits (or views of them) that are forward outputs
     tangent: fx.Node | None = None  # the incoming gradient of those logits, read by the backward
 

@@ -165,69 +165,11 @@ class Plan:
 
     def to_file_data(self) -> dict:
         """Everything a plan file holds (see optsched.plans.file_format), before sealing."""
-        p, sim = self.problem, self.sim
-        return {
-            "optsched_version": _version(),
-            "torch_version": _torch_version(),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "kind": self.kind,
-            "fingerprint": self.fingerprint or {"hash": "", "nodes": []},
-            "made_for": {
-                "kind": self.kind,
-                "budget": self.budget_spec,
-                "budget_bytes": self.budget_bytes,
-                "budget_from": (self.budget_from or {}).get("program"),
-                "budget_resolved_bytes": (self.budget_from or {}).get("bytes"),  # before any cap the plan applied
-                "budget_reference": self.budget_from,
-                "device_profile": self.profile.name,
-                "executor": self.executor,
-                "offload": self.offload_allowed,
-                "host_budget_bytes": p.host_budget_bytes,
-                "profile": self.profile.to_dict(),
-                "timing": self.timing,
-                "outputs": self.output_usage,
-                "grads_at_start": self.grads_at_start,
-            },
-            "decisions": {
-                "ops": [o.name for o in p.ops],
-                "fw_order": list(self.schedule.fw_order),
-                "bw_order": list(self.schedule.bw_order),
-                "offload": {p.tensors[t].name: j for t, j in sorted(self.schedule.offload.items())},
-                "fusion_groups": [list(g) for g in self.fusion_groups],
-                "recomputed": [p.ops[o].name for o in sim.recomputed_ops],
-                "offloaded": [p.tensors[t].name for t in sorted(sim.offloads)],
-            },
-            "costs": {o.name: [o.time_s, o.workspace_bytes, [[p.tensors[a].name, p.tensors[b].name] for a, b in o.reuse]]
-                      for o in p.ops},
-            "summary": self.summary(),
-            "solver": self.stats.to_dict(),
-            "timeline": self.timeline_data(),
-        }
+        return _file_data(self)
 
     def timeline_data(self) -> dict:
         """The predicted memory over the step, for plots: live bytes per step, what each step is."""
-        sim, p = self.sim, self.problem
-        live, chunk = downsample(sim.timeline)
-        return {
-            "live_bytes": live,
-            "steps_per_point": chunk,
-            "n_steps": len(sim.timeline),
-            "n_forward_steps": sim.n_forward_steps,
-            "recompute_steps": [k for k, (_o, rc) in enumerate(sim.steps) if rc],
-            "offloads": [
-                {"tensor": p.tensors[t].name, "bytes": p.tensors[t].bytes, "produced": e.produced,
-                 "release": e.release, "prefetch": e.prefetch, "first_read": e.first_read}
-                for t, e in sorted(sim.offloads.items())
-            ],
-            "peak_bytes": sim.peak_bytes,
-            "peak_step": sim.peak_step,
-            "budget_bytes": self.budget_bytes,
-            "unplanned_live_bytes": downsample(self.baseline.timeline)[0],
-            "unplanned_steps_per_point": downsample(self.baseline.timeline)[1],
-            "unplanned_n_steps": len(self.baseline.timeline),
-            "unplanned_n_forward_steps": self.baseline.n_forward_steps,
-            "unplanned_peak_bytes": self.baseline.peak_bytes,
-        }
+        return _timeline_data(self)
 
     def save(self, path) -> Path:
         """Write this plan as a plan file (atomically); `optsched.load_plan` reads it back."""
@@ -241,6 +183,74 @@ class Plan:
             f"(unplanned {self.baseline.peak_bytes / mib:.2f}, budget {budget}), "
             f"time x{self.summary()['time_ratio']:.3f}, {self.solver_status}, gap {self.gap:.2%})"
         )
+
+
+def _file_data(plan: Plan) -> dict:
+    """Plan.to_file_data: the plan as a plan file's fields, its timeline included."""
+    p, sim = plan.problem, plan.sim
+    return {
+        "optsched_version": _version(),
+        "torch_version": _torch_version(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kind": plan.kind,
+        "fingerprint": plan.fingerprint or {"hash": "", "nodes": []},
+        "made_for": {
+            "kind": plan.kind,
+            "budget": plan.budget_spec,
+            "budget_bytes": plan.budget_bytes,
+            "budget_from": (plan.budget_from or {}).get("program"),
+            "budget_resolved_bytes": (plan.budget_from or {}).get("bytes"),  # before any cap the plan applied
+            "budget_reference": plan.budget_from,
+            "device_profile": plan.profile.name,
+            "executor": plan.executor,
+            "offload": plan.offload_allowed,
+            "host_budget_bytes": p.host_budget_bytes,
+            "profile": plan.profile.to_dict(),
+            "timing": plan.timing,
+            "outputs": plan.output_usage,
+            "grads_at_start": plan.grads_at_start,
+        },
+        "decisions": {
+            "ops": [o.name for o in p.ops],
+            "fw_order": list(plan.schedule.fw_order),
+            "bw_order": list(plan.schedule.bw_order),
+            "offload": {p.tensors[t].name: j for t, j in sorted(plan.schedule.offload.items())},
+            "fusion_groups": [list(g) for g in plan.fusion_groups],
+            "recomputed": [p.ops[o].name for o in sim.recomputed_ops],
+            "offloaded": [p.tensors[t].name for t in sorted(sim.offloads)],
+        },
+        "costs": {o.name: [o.time_s, o.workspace_bytes, [[p.tensors[a].name, p.tensors[b].name] for a, b in o.reuse]]
+                  for o in p.ops},
+        "summary": plan.summary(),
+        "solver": plan.stats.to_dict(),
+        "timeline": plan.timeline_data(),
+    }
+
+
+def _timeline_data(plan: Plan) -> dict:
+    """Plan.timeline_data: live bytes downsampled, recompute steps and offloads, planned and unplanned."""
+    sim, p = plan.sim, plan.problem
+    live, chunk = downsample(sim.timeline)
+    return {
+        "live_bytes": live,
+        "steps_per_point": chunk,
+        "n_steps": len(sim.timeline),
+        "n_forward_steps": sim.n_forward_steps,
+        "recompute_steps": [k for k, (_o, rc) in enumerate(sim.steps) if rc],
+        "offloads": [
+            {"tensor": p.tensors[t].name, "bytes": p.tensors[t].bytes, "produced": e.produced,
+             "release": e.release, "prefetch": e.prefetch, "first_read": e.first_read}
+            for t, e in sorted(sim.offloads.items())
+        ],
+        "peak_bytes": sim.peak_bytes,
+        "peak_step": sim.peak_step,
+        "budget_bytes": plan.budget_bytes,
+        "unplanned_live_bytes": downsample(plan.baseline.timeline)[0],
+        "unplanned_steps_per_point": downsample(plan.baseline.timeline)[1],
+        "unplanned_n_steps": len(plan.baseline.timeline),
+        "unplanned_n_forward_steps": plan.baseline.n_forward_steps,
+        "unplanned_peak_bytes": plan.baseline.peak_bytes,
+    }
 
 
 def _version() -> str:

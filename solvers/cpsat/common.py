@@ -8,7 +8,7 @@ import threading
 
 from ortools.sat.python import cp_model
 
-from ..model import clock
+from ..model import calibration, clock
 from ..model.problem import Problem
 
 NS = 1e-9  # time unit: op costs are whole nanoseconds (at least 1)
@@ -42,7 +42,7 @@ def make_solver(time_limit_s: float, workers: int, linearization_level: int | No
     solver.parameters.random_seed = 0
     if clock.is_deterministic():
         solver.parameters.num_workers = clock.DETERMINISTIC_WORKERS
-        solver.parameters.max_deterministic_time = max(0.05, time_limit_s) / clock.CPSAT_UNIT_S
+        solver.parameters.max_deterministic_time = max(0.05, time_limit_s) / calibration.UNITS["cpsat_dtime"].seconds
         solver.parameters.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * max(0.05, time_limit_s)
         solver.parameters.interleave_search = clock.DETERMINISTIC_WORKERS > 1
     else:
@@ -107,8 +107,8 @@ def _charge(solver: cp_model.CpSolver, model: cp_model.CpModel) -> None:
     """The work of one solve on the solvers' clock (deterministic mode): its deterministic time in the clock's
     seconds, and the loading its deterministic time leaves out (solvers/model/clock.py)."""
     if clock.is_deterministic():
-        clock.charge(solver.deterministic_time * clock.CPSAT_UNIT_S
-                     + len(model.Proto().constraints) * clock.CPSAT_CONSTRAINT_S)
+        clock.count("cpsat_dtime", solver.deterministic_time)
+        clock.count("cpsat_constraint", len(model.Proto().constraints))
 
 
 def _stop(solver: cp_model.CpSolver, worker: threading.Thread, done: threading.Event, cancelled: threading.Event) -> None:

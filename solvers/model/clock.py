@@ -2,9 +2,10 @@
 
 Every deadline in the search reads `now()`. Normally that is `time.perf_counter()`. Inside
 `deterministic()` it is the work done so far instead: CP-SAT's deterministic time for each
-solve (a count of its operations, scaled by CPSAT_UNIT_S to about a wall second of the reference
-machine) plus a fixed charge per simulated step. Then every branch the search takes depends on the problem alone,
-not on the machine's speed or load, and CP-SAT itself runs single-threaded (or with
+solve (a count of its operations), the constraints each CP-SAT model loads, the steps the simulator
+replays, the bound's min cuts, the ops of each problem built and each op timed, each unit turned into
+seconds of the reference machine by solvers/model/calibration.py's fitted table. Then every branch
+the search takes depends on the problem alone, not on the machine's speed or load, and CP-SAT itself runs single-threaded (or with
 interleaved, not raced, workers), a fixed seed and a deterministic limit
 (solvers/cpsat/common.make_solver): the same
 problem and options give the same plan on every run and on every rank of a distributed job.
@@ -18,25 +19,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+from collections import Counter
 from collections.abc import Iterator
 
-# Inside optimize() the same solves take 1.1-1.5x the wall time they take alone (GPT batch 8 at 60% with chunking:
-# 1.3 s alone, 1.5-2.1 s in the planner; cause not found: not the other threads, not the heap), and
-# time_limit_s is optimize()'s planning time: every charge below is what the work takes alone times IN_PLANNER.
-IN_PLANNER = 1.3
-SIMULATED_STEP_S = 1e-5 * IN_PLANNER  # work charged per step the simulator replays
-# clock seconds per unit of CP-SAT's deterministic time. Its unit is not a second here: wall / deterministic time
-# of the search's solves on the reference machine (the 2-core CI machine, idle) was 2.6 for ViT's segment models,
-# 2.3 for GPT's and 0.85 for GPT-NeoX's relaxation, so a time limit counted in raw units ran 1.7x over on ViT
-CPSAT_UNIT_S = 2.5 * IN_PLANNER
-CPSAT_CONSTRAINT_S = 3e-5 * IN_PLANNER  # charged per constraint of each CP-SAT model solved: loading and presolve, which its
-# deterministic time leaves out (fit on the same solves: about 2-4e-5 s per constraint term)
+from . import calibration
+
 DETERMINISTIC_WORKERS = 1  # CP-SAT workers in deterministic mode: one (interleaved workers were 5-10x slower per solve)
 
 
 class _Work:
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.units: Counter[str] = Counter()
 
 
 _work: contextvars.ContextVar[_Work | None] = contextvars.ContextVar("optsched_solver_work", default=None)
@@ -52,11 +46,19 @@ def is_deterministic() -> bool:
     return _work.get() is not None
 
 
-def charge(seconds: float) -> None:
-    """Count work done (no-op outside deterministic mode, where the wall clock runs by itself)."""
+def count(unit: str, n: float = 1) -> None:
+    """Count `n` units of work done (solvers/model/calibration.py names them); a no-op outside deterministic
+    mode, where the wall clock runs by itself."""
     work = _work.get()
     if work is not None:
-        work.seconds += seconds
+        work.seconds += calibration.seconds(unit, n)
+        work.units[unit] += n
+
+
+def units_counted() -> dict[str, float]:
+    """The units counted so far in this deterministic block (empty outside one): what the calibration fits."""
+    work = _work.get()
+    return {} if work is None else dict(work.units)
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
     _check_orders(problem, schedule)
     steps = _steps(problem, schedule)
-    clock.charge(len(steps) * clock.SIMULATED_STEP_S)
+    clock.count("simulated_step", len(steps))
     n_fw = len(schedule.fw_order)
     runs = formed_runs(problem, schedule, steps)
     walk = _walk(problem, steps, n_fw)

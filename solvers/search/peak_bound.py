@@ -58,10 +58,6 @@ from ..model.problem import Phase, Problem, TensorKind
 
 WORK_BUDGET = 200_000  # edges of the cut networks built per problem (then the rest keep their constant part)
 _INF = 1 << 62
-# the bound's work on the solvers' clock: per op, per tensor the per-op passes look at, per edge of the cut networks;
-# fit alone on the reference machine (2 cores, idle; Llama 2-32 layers and chain problems, 22-3683 ops: 0.001-1.4 s,
-# within 15%), then times IN_PLANNER. Not per op squared: 4e-6 s per op^2 charged a 971-op Llama 4.9 s for 0.3 s
-OP_S, SCAN_S, EDGE_S = 3e-5 * clock.IN_PLANNER, 2.5e-7 * clock.IN_PLANNER, 1e-6 * clock.IN_PLANNER
 
 
 def step_bound(problem: Problem, *, charge: bool = False) -> int:
@@ -70,7 +66,11 @@ def step_bound(problem: Problem, *, charge: bool = False) -> int:
     b = _Bound(problem)
     value = b.value()
     if charge:
-        clock.charge(OP_S * len(problem.ops) + SCAN_S * b.scanned + EDGE_S * b.work)
+        # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared:
+        # that charged a 971-op Llama 4.9 s for 0.3 s of work)
+        clock.count("bound_op", len(problem.ops))
+        clock.count("bound_scan", b.scanned)
+        clock.count("bound_edge", b.work)
     return value
 
 

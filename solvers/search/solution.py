@@ -22,6 +22,7 @@ class BudgetInfeasibleError(Exception):
     def __init__(
         self, budget_bytes: int, lowest_peak_bytes: int, lower_bound_bytes: int, lowest_schedule: Schedule | None = None,
         *, elapsed_s: float | None = None, time_limit_s: float | None = None, searched: bool = True,
+        scope: str | None = None, summary: str | None = None, notes: tuple[str, ...] = (),
     ):
         self.budget_bytes = budget_bytes
         self.lowest_peak_bytes = lowest_peak_bytes
@@ -30,7 +31,20 @@ class BudgetInfeasibleError(Exception):
         self.elapsed_s = elapsed_s
         self.time_limit_s = time_limit_s
         self.searched = searched
-        super().__init__(self._message())
+        self.scope = scope  # what a proven bound covers, when not every plan ("with the LM head ... as captured")
+        self.summary = summary  # the first sentence, when the caller's (several graphs tried) replaces the solve's
+        self.notes = tuple(notes)  # what the caller adds: how the budget was reached, what else could fit it
+        super().__init__("; ".join([summary or self._message(), *self.notes]))
+
+    def explained(self, *notes: str, scope: str | None = None, summary: str | None = None) -> BudgetInfeasibleError:
+        """This error with `notes` added (empty ones left out) and `scope` or `summary` replaced: a new error of the
+        same class, its message built once from its fields, carrying this one's traceback."""
+        new = type(self)(
+            self.budget_bytes, self.lowest_peak_bytes, self.lower_bound_bytes, self.lowest_schedule,
+            elapsed_s=self.elapsed_s, time_limit_s=self.time_limit_s, searched=self.searched,
+            scope=scope or self.scope, summary=summary or self.summary, notes=(*self.notes, *(n for n in notes if n)),
+        )
+        return new.with_traceback(self.__traceback__)
 
     @property
     def proven(self) -> bool:
@@ -50,7 +64,8 @@ class BudgetInfeasibleError(Exception):
         if not self.searched:  # below the bound: no search can change that, so none ran
             found = f"refused before any search; unplanned, the program peaks at {mib(self.lowest_peak_bytes)}"
         if self.proven:
-            return f"no plan fits {mib(self.budget_bytes)}, and none can: every plan needs at least {mib(self.lower_bound_bytes)} ({found})"
+            every = f" {self.scope}: every such plan" if self.scope else ": every plan"
+            return f"no plan fits {mib(self.budget_bytes)}, and none can{every} needs at least {mib(self.lower_bound_bytes)} ({found})"
         took = f" after {self.elapsed_s:.1f}s" if self.elapsed_s is not None else ""
         # no claim about larger limits: the moves' time slices grow with the limit and may find lower plans
         return (

@@ -1,0 +1,187 @@
+"""The planner: a captured graph becomes a `Planned` (its plan, what each op runs, the graph to lower).
+
+    graph ─fingerprint─> plan file or carried plan that matches? ─yes─> replayed (replay.py, plans.reuse)
+      │ no
+      └─> candidates (variants.py: as captured, per chunk count), each a Problem (op costs measured, op_costs.py,
+          or the roofline's) with the executor's fusion groups merged and offered (fusion.py), solved at the
+          program's budget (solving.py), all under one time account (timing.py)
+          ─> Plan: budget resolution recorded, plan file saved when asked (plans.cache), reported
+
+The compile hooks (`compiler.backend.PlanningBackend`, `compiler.offline.OfflineBackend`) make one `Planner` per
+compiled program, for its `Target`, and call `Planner.plan` from AOTAutograd's hooks; lowering the plan is theirs.
+Nothing the planner is given is changed: a chunked graph is a copy, handed back in `Planned.graph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from ..budget import BudgetResolution
+from ..capture.fingerprint import fingerprint
+from ..capture.joint_graph import JointGraph
+from ..capture.output_usage import OutputUsage
+from ..costs.cost_cache import CostCache
+from ..costs.measure import unread_state
+from ..executors import get_executor
+from ..plans.cache import save_or_warn
+from ..plans.file_format import PlanFile, PlanMismatchError
+from ..plans.plan import Plan
+from ..settings import PlanningSettings
+from ..solvers.model import clock
+from ..solvers.model.problem import collecting_rejections, rejections_in
+from ..user_checkpoint import reference_peak
+from .fusion import Fusion
+from .op_costs import CostsOf, MeasuredCosts
+from .optimizer_step import check_update_fits, optimizer_state, update_scratch_bytes
+from .program import Planned, ProgramKind, Target
+from .replay import Found, PlanFiles, replay
+from .solving import Lending, ProgramSolver
+from .timing import PlanningTime
+from .variants import Variants
+
+
+class Planner:
+    """Plans the programs of one compiled callable for one target (see the module docstring).
+
+    `resolution`: the budget as the optimized callable means it, shared by all its planners
+    (see BudgetResolution). `carried`: plans a copy of an optimized module carries from its original,
+    by fingerprint hash, replayed instead of solved. `observed_usage`: what a backward showed the
+    caller doing with the outputs (None: only the guess, which a plan file's record may replace).
+    `costs`: op times for a graph (default: measured on the device when the target measures, else
+    None, the profile's roofline). `grads_at_start`: an accumulation step (api.grads_at_start), whose
+    `first_micro_batch` is the plan of the same step without gradients to start with."""
+
+    def __init__(
+        self,
+        settings: PlanningSettings,
+        target: Target,
+        on_plan: Callable[[Plan], None],
+        *,
+        resolution: BudgetResolution | None = None,
+        carried: dict[str, list[PlanFile]] | None = None,
+        observed_usage: OutputUsage | None = None,
+        costs: CostsOf | None = None,
+        grads_at_start: bool = False,
+        cost_cache: CostCache | None = None,
+        first_micro_batch: Callable[[], Plan | None] | None = None,
+    ):
+        self.settings = settings
+        self.target = target  # a replayed file's executor may replace its default one (see plan)
+        self.on_plan = on_plan
+        self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
+        self.files = PlanFiles(settings, self.resolution, carried or {})
+        self.observed_usage = observed_usage
+        self.measured = MeasuredCosts(target.device, target.measure, settings.time_limit_s, cost_cache)
+        self.costs = costs or self.measured
+        self.grads_at_start = grads_at_start
+        self.first_micro_batch = first_micro_batch or (lambda: None)
+        self.unread_state: list[tuple[str, int]] = []  # the module's state the program does not read (see hold_inputs)
+        self.optimizer_state: list[tuple[str, int]] = []  # settings.optimizer's state tensors (optimizer_step.py)
+
+    def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+        """The real values the captured program's inputs stand for (parameters first): op timing reads
+        them in place instead of making copies. Held weakly, so a batch is not kept alive by its plan.
+        `state`: the module's named parameters and buffers; those the program does not read are on the
+        device all the same, and every plan counts them (an unused 4 MiB Linear was 4 MiB over budget)."""
+        self.measured.hold(values)
+        state = list(state)
+        self.unread_state = unread_state(state, values, self.target.device)
+        if self.settings.optimizer is not None:
+            self.optimizer_state = optimizer_state(self.settings.optimizer, self.target.device, state)
+
+    def plan(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None = None) -> Planned:
+        """The plan for this graph (`jg` its joint graph) and, per op of its problem, the node or fusion group it
+        runs: from the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
+        fp = fingerprint(gm)
+        found = self.files.find(fp, self.made_for(kind), self.target)
+        if found.pf is not None:
+            replayed, replay_usage = found.replay_usage(usage, self.observed_usage)
+            if replayed:
+                return self._replayed(found, fp, gm, jg, kind, replay_usage)
+            if found.mismatch is not None and not found.lent and self.settings.on_mismatch == "error":
+                raise PlanMismatchError(
+                    f"plan file {found.path} does not match: {found.mismatch}. Pass on_mismatch='replan' to plan "
+                    "again and overwrite it, or use another plan file"
+                )
+            # else the caller now uses the outputs otherwise, or the loop lends other bytes: plan again
+        lending = Lending(self.resolution, grads_at_start=self.grads_at_start,
+                          first_micro_batch=self.first_micro_batch, record=found.lent_record)
+        solver = ProgramSolver(self.settings, self.target, self.resolution, PlanningTime(), lending,
+                               grads_at_start=self.grads_at_start)
+        variants = Variants(gm, jg, kind, usage, self.observed_usage, solver=solver, fusion=self._fusion(),
+                            costs_of=self.costs, unread_state=self.unread_state,
+                            optimizer_state=self.optimizer_state)
+        planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning)
+        plan = planned.plan
+        if kind.training and self.settings.optimizer is not None:
+            note_optimizer_update(plan, self.settings.optimizer)
+        if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
+            usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
+        plan.fingerprint, plan.offload_allowed = fp, self.target.offload
+        plan.output_usage = usage.describe() if usage is not None else None
+        self._record_budget(plan, fp, planned.items, lending.record, lending.note)
+        if found.path is not None:  # a save the file system refuses warns: the plan is made, the step runs
+            save_or_warn(plan.save, found.path, cached=self.settings.plan_spec == "auto")
+        self.on_plan(plan)
+        return planned
+
+    def _replayed(self, found: Found, fp: dict, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind,
+                  usage: OutputUsage | None) -> Planned:
+        if (executor := self.files.file_executor(found.pf, self.target)) is not None:  # the one that formed its groups
+            self.target = dataclasses.replace(self.target, executor=get_executor(executor, self.target.device))
+        planned = replay(found.pf, gm, jg, kind, usage, self.target, self._fusion())
+        self._record_budget(planned.plan, fp, planned.items, found.lent_record, None)
+        self.on_plan(planned.plan)
+        return planned
+
+    def _fusion(self) -> Fusion:
+        return Fusion(self.target, named=self.settings.executor is not None)
+
+    def made_for(self, kind: ProgramKind) -> dict:
+        """What a plan file must have been made for (its output usage is checked apart: see `plan`).
+        A percentage budget adds how it resolves for this program (a share of its own peak, or the bytes a
+        forward-only program takes from a training program: BudgetResolution.made_for), so a plan is never
+        reused for other bytes (and the plan cache keys them apart)."""
+        t = self.target
+        return {"kind": kind.label, "budget": str(self.settings.budget), "device_profile": t.profile.name,
+                "executor": t.executor.name, "offload": t.offload, "grads_at_start": self.grads_at_start and kind.training,
+                **self.resolution.made_for(training=kind.training)}
+
+    def _record_budget(self, plan: Plan, fp: dict, items: list | None, lent: dict | None, lent_note: str | None) -> None:
+        """How the budget was resolved, on the plan (`lent`: the bytes another program lent it, and why); a training
+        program records a percentage's bytes for it (the percentage of its unplanned peak, not a cap the plan
+        itself applied): the bytes the forward-only programs of its shapes take (BudgetResolution)."""
+        peak = reference_peak(plan.problem, items, plan.baseline)
+        training = plan.kind == "training"
+        plan.budget_from = dict(lent) if lent else self.resolution.source(peak, fp["hash"], training=training)
+        if lent_note is not None and lent_note not in plan.stats.notes:
+            plan.stats.notes.append(lent_note)
+        if training:
+            self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, deterministic: bool) -> Planned:
+    """`variants` planned under their time account (op timing, problem building and every solve count against the
+    limit), on the deterministic clock when asked; the errors this graph's passes and planning expected and recovered
+    from (a fusion group not convex, an op's FLOP formula raising, ...) noted on the plan (the solver's own are in
+    its notes already)."""
+    with collecting_rejections(rejections_in(gm.meta).copy()) as recovered:
+        with clock.deterministic(deterministic):
+            time.start()
+            try:
+                planned = variants.plan()
+            finally:
+                time.finish()
+    planned.plan.stats.notes += recovered.notes()
+    return planned
+
+
+def note_optimizer_update(plan: Plan, opt: torch.optim.Optimizer) -> None:
+    """A training plan with `optimizer=`: the update after the backward must fit the budget too (else
+    BudgetInfeasibleError naming the optimizer); its predicted peak is noted on the plan."""
+    peak = check_update_fits(plan.problem, plan.budget_bytes, update_scratch_bytes(opt), opt)
+    plan.stats.notes.append(f"{type(opt).__name__}.step() after the backward: predicted peak {peak} bytes")

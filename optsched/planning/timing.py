@@ -1,0 +1,60 @@
+"""How long one program's planning may take: its time limit, and the account every solve of it draws on
+(the graph as captured and each chunk count), counted on the solvers' clock (work in deterministic mode)."""
+
+from __future__ import annotations
+
+import time
+
+from ..solvers.model import clock
+
+DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
+DEFAULT_S_PER_OP = 0.02
+DEFAULT_TIME_LIMIT_MAX_S = 30.0  # and at most this: repeated blocks are searched alike, so depth costs little
+OP_TIMING_SHARE = 0.5  # op timing stops after this share of the time limit (wall seconds): the ops left, the roofline's
+
+
+def time_limit(asked: float | None, ops: int) -> float:
+    """The planning time limit of a graph of `ops` ops: `asked`, or one that grows with the graph (planning
+    stays a small share of compile time)."""
+    if asked is not None:
+        return asked
+    return max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * ops))
+
+
+class PlanningTime:
+    """One program's planning time: its limit (set by the first solve: it depends on the problem's size) and
+    everything spent since `start()`, counted on the solvers' clock: op timing, problem building, bounds,
+    simulations and every solve (the graph as captured, each chunk count, fusion options), so `time_limit_s`
+    is what the user waits for the plan after capture. Each solve gets `share` of what is left.
+
+    `finish()` keeps what the planning took: wall seconds, clock seconds and the units of work it counted
+    (benchmarks/planning_time.py fits the clock's calibration on them)."""
+
+    def __init__(self) -> None:
+        self.limit: float | None = None
+        self.share = 1.0
+        self._start: float | None = None
+        self._wall0 = 0.0
+        self._units0: dict[str, float] = {}
+        self.taken: dict | None = None  # after finish(): {"wall_s", "clock_s", "units"}
+
+    def start(self) -> None:
+        """Planning starts now (inside the solvers' deterministic block, where the clock counts work)."""
+        self._start, self._wall0, self._units0 = clock.now(), time.perf_counter(), clock.units_counted()
+
+    @property
+    def spent(self) -> float:
+        return 0.0 if self._start is None else clock.now() - self._start
+
+    def slice(self, limit: float) -> float:
+        if self.limit is None:
+            self.limit = limit
+        return self.left() * self.share
+
+    def left(self) -> float:
+        return max(0.0, (self.limit or 0.0) - self.spent)
+
+    def finish(self) -> None:
+        units = clock.units_counted()
+        self.taken = {"wall_s": time.perf_counter() - self._wall0, "clock_s": self.spent,
+                      "units": {k: v - self._units0.get(k, 0.0) for k, v in units.items() if v - self._units0.get(k, 0.0)}}

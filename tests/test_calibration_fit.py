@@ -1,0 +1,27 @@
+"""The clock's calibration fit recovers known costs and never goes negative."""
+
+import random
+
+from benchmarks.calibration_fit import fit
+
+
+def test_fit_recovers_the_seconds_per_unit_that_made_the_samples():
+    rng = random.Random(0)
+    true = {"a": 2e-3, "b": 5e-6, "c": 0.7}
+    samples = []
+    for _ in range(30):
+        units = {"a": rng.uniform(0, 1000), "b": rng.uniform(0, 1e6), "c": rng.uniform(0, 10)}
+        wall = sum(true[k] * v for k, v in units.items()) * rng.uniform(0.98, 1.02)
+        samples.append((units, wall))
+    f = fit(samples)
+    for k, v in true.items():
+        assert abs(f.seconds[k] / v - 1) < 0.05, (k, f.seconds[k], v)
+    assert f.worst() < 0.05
+
+
+def test_a_unit_that_would_fit_negative_is_dropped_and_others_refitted():
+    # "b" only ever appears with wall time explained by "a": a free fit would make it negative
+    samples = [({"a": n, "b": 10 * n * (i % 2)}, 1e-3 * n * (0.9 if i % 2 else 1.0)) for i, n in enumerate(range(1, 20))]
+    f = fit(samples, keep={"z": 1.0})
+    assert f.seconds["b"] == 0.0 and f.seconds["a"] > 0
+    assert f.seconds["z"] == 1.0  # a unit no sample counted keeps its value

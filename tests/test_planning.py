@@ -1,0 +1,68 @@
+"""The planner's contracts (optsched/planning/): what it is given stays as it was, the graph it planned comes back,
+and its errors are built from fields, never edited."""
+
+from __future__ import annotations
+
+import pytest
+
+import optsched
+from benchmarks.models import gpt
+from optsched.budget import parse_budget
+from optsched.compiler.offline import OfflineBackend, capture_offline
+from optsched.settings import PlanningSettings
+from optsched.solvers import BudgetInfeasibleError, PlanningTimeLimitError, Schedule
+
+CFG = gpt.GPTConfig(vocab_size=2048, block_size=64, n_layer=1, n_head=2, n_embd=32)
+
+
+def test_a_chunked_plan_leaves_the_graph_given_unchanged_and_hands_back_the_one_planned():
+    settings = PlanningSettings(parse_budget(None), "h100", time_limit_s=1, chunking=4)
+    backend = OfflineBackend(settings, lambda plan: None)
+    seen = {}
+    plan = backend.planner.plan
+
+    def recording(gm, jg, kind, usage=None):  # what the planner is given, as it was, and what it hands back
+        seen["given"] = (gm, gm.graph, [n.format_node() for n in gm.graph.nodes], jg, dict(vars(jg)))
+        seen["planned"] = plan(gm, jg, kind, usage)
+        return seen["planned"]
+
+    backend.planner.plan = recording
+    capture_offline(lambda: gpt.build(CFG), lambda: gpt.make_batch(CFG, batch_size=4), backend)
+    joint, graph, nodes, jg, fields = seen["given"]
+    planned = seen["planned"]
+    assert planned.plan.summary()["chunks"] == {"lm_head": 4}
+    # the caller's module, graph, nodes and joint graph are as they were
+    assert joint.graph is graph and [n.format_node() for n in joint.graph.nodes] == nodes
+    assert all(getattr(jg, k) is v for k, v in fields.items())
+    # the chunked copy is what was planned, and what its plan's ops name
+    chunked = planned.graph
+    assert chunked is not jg and chunked.gm is not joint
+    assert any("linear_cross_entropy" in str(n.target) for n in chunked.gm.graph.nodes)
+    assert not any("linear_cross_entropy" in str(n.target) for n in joint.graph.nodes)
+    names = {n.name for n in chunked.gm.graph.nodes}
+    assert all(n.name in names for it in planned.items for n in getattr(it, "nodes", [it]))
+
+
+def test_an_error_is_a_new_one_built_from_its_fields():
+    proven = BudgetInfeasibleError(1000, 3 * 2**20, 2 * 2**20)
+    scoped = proven.explained("the budget is 1000 bytes", "", scope="with the head as captured")
+    assert str(proven) == "no plan fits 0.00 MiB, and none can: every plan needs at least 2.00 MiB (the lowest peak found is 3.00 MiB)"
+    assert str(scoped) == ("no plan fits 0.00 MiB, and none can with the head as captured: every such plan needs at least "
+                           "2.00 MiB (the lowest peak found is 3.00 MiB); the budget is 1000 bytes")
+    assert scoped is not proven and scoped.notes == ("the budget is 1000 bytes",) and proven.notes == ()
+    timed = PlanningTimeLimitError(1000, 2000, 500, Schedule([0], []), elapsed_s=1.0, time_limit_s=2.0)
+    again = timed.explained("one more", summary="several graphs tried")
+    assert type(again) is PlanningTimeLimitError and again.lowest_schedule is timed.lowest_schedule
+    assert str(again) == "several graphs tried; one more" and again.time_limit_s == 2.0 and not again.proven
+
+
+def test_a_planning_error_says_what_chunking_could_do_in_its_fields():
+    model, inputs = gpt.build(CFG), gpt.make_batch(CFG, batch_size=4)
+    with pytest.raises(optsched.BudgetInfeasibleError) as info:
+        optsched.optimize(model, "50%", example_inputs=inputs, device_profile="h100", time_limit_s=1, chunking=False)
+    e = info.value
+    assert e.proven and e.scope == "with the LM head + cross-entropy as captured"
+    assert [n.split(":")[0] for n in e.notes] == ["the budget '50%' is 50% of each training program's own unplanned peak",
+                                                  "chunking=False"]
+    assert "lm_head (256 tokens, vocabulary 2048) could run in token chunks" in e.notes[-1]
+    assert str(e).startswith("no plan fits") and str(e).endswith(e.notes[-1])

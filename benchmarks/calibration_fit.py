@@ -23,19 +23,32 @@ class Fit:
         return max((abs(r) for r in self.residuals), default=0.0)
 
 
-def fit(samples: list[tuple[dict[str, float], float]], keep: dict[str, float] | None = None) -> Fit:
+def fit(samples: list[tuple[dict[str, float], float]], keep: dict[str, float] | None = None,
+        prior_weight: float = 0.0) -> Fit:
     """Seconds per unit from (units counted, wall seconds) samples; nonnegative (active-set: a unit whose
-    coefficient comes out negative is dropped and the rest refitted)."""
+    coefficient comes out negative is dropped and the rest refitted).
+
+    `prior_weight` > 0 pulls each coefficient towards its value in `keep` (ridge regression on the relative change:
+    a unit counted alongside others in every sample, such as the ops of a problem and of its bound, is otherwise
+    not identifiable, and a few runs would set it anywhere); 0 is plain least squares."""
     samples = [(u, w) for u, w in samples if w > 0]
     units = sorted({k for u, _ in samples for k, v in u.items() if v})
+    prior = {k: (keep or {}).get(k, 0.0) for k in units}
+    ridge = prior_weight > 0 and all(prior[k] > 0 for k in units)
+    scale = {k: prior[k] if ridge else 1.0 for k in units}
     active = list(units)
     coef: dict[str, float] = {}
     while active:
-        a = torch.tensor([[u.get(k, 0.0) / w for k in active] for u, w in samples], dtype=torch.float64)
-        b = torch.ones(len(samples), 1, dtype=torch.float64)
+        rows = [[u.get(k, 0.0) * scale[k] / w for k in active] for u, w in samples]
+        target = [1.0] * len(samples)
+        if ridge:  # sqrt(weight) * (x_k - 1) = 0 for each unit, x_k its coefficient over its prior
+            rows += [[prior_weight**0.5 * (j == i) for j in range(len(active))] for i in range(len(active))]
+            target += [prior_weight**0.5] * len(active)
+        a = torch.tensor(rows, dtype=torch.float64)
+        b = torch.tensor(target, dtype=torch.float64).unsqueeze(1)
         x = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
         if min(x) >= 0:
-            coef = dict(zip(active, x))
+            coef = {k: v * scale[k] for k, v in zip(active, x)}
             break
         active.pop(min(range(len(x)), key=x.__getitem__))
     seconds = {**(keep or {}), **{k: coef.get(k, 0.0) for k in units}}

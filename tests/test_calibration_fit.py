@@ -25,3 +25,11 @@ def test_a_unit_that_would_fit_negative_is_dropped_and_others_refitted():
     f = fit(samples, keep={"z": 1.0})
     assert f.seconds["b"] == 0.0 and f.seconds["a"] > 0
     assert f.seconds["z"] == 1.0  # a unit no sample counted keeps its value
+
+
+def test_a_prior_weight_keeps_a_unit_no_sample_can_tell_apart_near_its_prior():
+    # "a" and "b" are counted alike in every sample: plain least squares may split their cost anyhow
+    samples = [({"a": n, "b": n}, 3e-3 * n) for n in range(1, 20)]
+    f = fit(samples, keep={"a": 1e-3, "b": 2e-3}, prior_weight=0.1)
+    assert abs(f.seconds["a"] / 1e-3 - 1) < 0.05 and abs(f.seconds["b"] / 2e-3 - 1) < 0.05
+    assert f.worst() < 0.05

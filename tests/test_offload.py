@@ -38,7 +38,7 @@ def _assert_same_grads(got: dict, want: dict) -> None:
 def offloading_run(gpt_setup):
     model, inputs, eager = gpt_setup
     budget = int(0.55 * eager.peak_bytes)
-    opt = optsched.optimize(model, budget, example_inputs=inputs, offload=True)
+    opt = optsched.optimize(model, budget, example_inputs=inputs, offload=True, device_profile="cpu", time_limit_s=2.0)
     torch.manual_seed(0)
     planned = measure_training_step(opt, model, inputs)
     return opt, budget, planned
@@ -110,7 +110,8 @@ def test_a_small_host_budget_is_respected(gpt_setup, offloading_run):
     model, inputs, eager = gpt_setup
     free_opt, budget, _planned = offloading_run
     host_budget = free_opt.plan.summary()["offloaded_bytes"] // 3
-    opt = optsched.optimize(model, budget, example_inputs=inputs, offload=True, host_budget=host_budget)
+    opt = optsched.optimize(model, budget, example_inputs=inputs, offload=True, host_budget=host_budget, device_profile="cpu",
+                            time_limit_s=2.0)
     s = opt.plan.summary()
     assert s["host_budget_bytes"] == host_budget
     assert s["offloaded_bytes"] <= host_budget

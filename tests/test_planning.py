@@ -66,3 +66,19 @@ def test_a_planning_error_says_what_chunking_could_do_in_its_fields():
                                                   "chunking=False"]
     assert "lm_head (256 tokens, vocabulary 2048) could run in token chunks" in e.notes[-1]
     assert str(e).startswith("no plan fits") and str(e).endswith(e.notes[-1])
+
+
+def test_the_solves_keep_half_the_limit_whatever_op_timing_took():
+    """The planning account counts op timing and problem building against time_limit_s, but a search left with
+    nothing finds no plan: the solves together keep MIN_SEARCH_SHARE of the limit."""
+    from optsched.planning.timing import MIN_SEARCH_SHARE, PlanningTime
+    from optsched.solvers.model import calibration, clock
+
+    with clock.deterministic():
+        account = PlanningTime()
+        account.start()
+        clock.count("op_timed", 10.0 / calibration.seconds("op_timed", 1))  # 10 s of op timing, a 4 s limit
+        first = account.slice(4.0)
+        assert account.spent > 4.0 and first == MIN_SEARCH_SHARE * 4.0
+        clock.count("cpsat_dtime", 1.0 / calibration.seconds("cpsat_dtime", 1))  # the first solve took 1 s of it
+        assert abs(account.left() - (MIN_SEARCH_SHARE * 4.0 - 1.0)) < 1e-9

@@ -46,7 +46,7 @@ SLACK = 1.2  # the issue's allowance over T
 PRIOR_WEIGHT = 0.001  # the refit's pull towards the table in use (calibration_fit.fit): units counted together stay apart
 
 
-class _Accounts:
+class PlanningAccounts:
     """Every program's planning account (optsched.planning.timing.PlanningTime) while inside: its limit, its wall
     seconds after capture (op timing, problem building, bounds, every solve), its clock seconds and the units of
     work the clock counted."""
@@ -56,7 +56,7 @@ class _Accounts:
 
         self._module, self._cls, self.made = planner, planner.PlanningTime, []
 
-    def __enter__(self) -> _Accounts:
+    def __enter__(self) -> PlanningAccounts:
         made = self.made
 
         class Recorded(self._cls):
@@ -89,7 +89,7 @@ def plan_one(step, budget: str, limit: float, chunked: bool) -> dict:
     torch._dynamo.reset()
     row: dict = {"budget": budget, "time_limit_s": limit, "chunking": chunked}
     t0 = time.perf_counter()
-    with _Accounts() as accounts:
+    with PlanningAccounts() as accounts:
         try:
             opt = optsched.optimize(step.module, budget, time_limit_s=limit, deterministic=True, executor="inductor",
                                     chunking=True if chunked else None)

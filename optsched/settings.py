@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .budget import Budget, check_options
-from .optim import SUPPORTED
+from .optim import check_supported
 
 if TYPE_CHECKING:
     from .costs.profiles import DeviceProfile
@@ -40,10 +40,8 @@ class PlanningSettings:
         there, not at the first call that plans. (The budgets come parsed; start_from, checked by optimize.)"""
         check_options(**{f.name: getattr(self, f.name) for f in fields(self)
                          if f.name not in ("budget", "host_budget", "start_from")})
-        if self.optimizer is not None and type(self.optimizer) not in SUPPORTED:
-            raise NotImplementedError(
-                f"optimizer={type(self.optimizer).__name__}: optsched plans the state and update of "
-                f"{', '.join(t.__name__ for t in SUPPORTED)} (exact types) only; plan the step without optimizer=")
+        if self.optimizer is not None:
+            check_supported(self.optimizer, "planning the whole step with optimizer= (pass none to plan without it)")
         if self.optimizer is not None and self.plan is not None:  # a replay would rebuild the step without the state
             raise ValueError("plan files do not record an optimizer's state yet: pass optimizer= or plan=, not both")
 

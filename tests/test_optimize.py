@@ -483,23 +483,16 @@ def test_gpt_at_55_percent_of_eager_peak(monkeypatch):
             solves.append((kwargs["time_limit_s"], kwargs["deterministic"], clock.now() - start))
         return sol
 
-    from optsched.planning import planner as planner_file
-
-    accounts = []
-
-    class Kept(planner_file.PlanningTime):
-        def __init__(self) -> None:
-            super().__init__()
-            accounts.append(self)
+    from benchmarks.planning_time import PlanningAccounts
 
     monkeypatch.setattr(planner_module, "solve", counted)
-    monkeypatch.setattr(planner_file, "PlanningTime", Kept)
-    opt = optsched.optimize(model, budget, example_inputs=inputs)  # the default time limit
+    with PlanningAccounts() as accounts:  # every program's planning account
+        opt = optsched.optimize(model, budget, example_inputs=inputs)  # the default time limit
     plan = opt.plan
     # planning kept to the default limit, counted as work (on an idle core about as many seconds; wall seconds
     # here depend on the machine's load): the solve gets what op timing and problem building left of it
     ((limit, deterministic, work),) = solves
-    (account,) = accounts
+    (account,) = accounts.made
     assert account.limit == DEFAULT_TIME_LIMIT_S  # 133 ops: 0.02 s each is under the minimum
     assert deterministic and 0 < limit < DEFAULT_TIME_LIMIT_S  # op timing and building came first, on the account
     assert work <= limit, f"the solve counted {work:.2f} units of work over its {limit} limit"

@@ -307,8 +307,7 @@ def build_problem(
     usage: OutputUsage | None = None,
     device: torch.device | str | None = None,
     grads_at_start: bool = False,
-    unread_state: Sequence[tuple[str, int]] = (),
-    optimizer_state: Sequence[tuple[str, int]] = (),
+    resident: Sequence[tuple[str, int]] = (),
 ) -> Built:
     """Ops in program order (forward, then backward).
 
@@ -321,10 +320,10 @@ def build_problem(
     `usage`: which forward outputs the caller differentiates and holds through the backward
     (training only; None: all of them, as the program alone would suggest).
     `grads_at_start`: the step accumulates into gradients that exist when it starts (see `_grads_at_start`).
-    `unread_state`: (name, bytes) of the module's parameters and buffers the program does not read (an unused
-    submodule, a buffer kept for checkpoints): on the device the whole step, as the allocator counts them.
-    `optimizer_state`: (name, bytes) of each state tensor of the user's optimizer (planning/optimizer_step.py):
-    counted alike, from the first step on, though torch creates it at the first `opt.step()`.
+    `resident`: (name, bytes) of what is on the device the whole step though the program reads none of it,
+    counted as the allocator counts it: the module's parameters and buffers the program does not read (an unused
+    submodule, a buffer kept for checkpoints) and the user's optimizer's state (planning/optimizer_step.py: from
+    the first step on, though torch creates it at the first `opt.step()`).
     `device`: where the program runs (the planner's target device; "meta" for an offline capture,
     which runs on the profile's device; None: the device of the graph's tensors). On CUDA, bytes are
     what the caching allocator counts (see `CudaMemory`); elsewhere, the storages' sizes.
@@ -383,11 +382,8 @@ def build_problem(
                              for i, w in enumerate(cuda.workspaces(jg))]
     if grads_at_start and jg.is_training:  # an accumulation step (api.grads_at_start)
         tensors = tensors + _grads_at_start(jg, tensors)
-    tensors = tensors + [Tensor(len(tensors) + i, f"{n} (module state the program does not read)",
-                                cuda.count(b) if cuda is not None else b, TensorKind.INPUT, offloadable=False)
-                         for i, (n, b) in enumerate(unread_state)]
-    tensors = tensors + [Tensor(len(tensors) + i, f"{n} (optimizer state)", cuda.count(b) if cuda is not None else b,
-                                TensorKind.INPUT, offloadable=False) for i, (n, b) in enumerate(optimizer_state)]
+    tensors = tensors + [Tensor(len(tensors) + i, n, cuda.count(b) if cuda is not None else b, TensorKind.INPUT,
+                                offloadable=False) for i, (n, b) in enumerate(resident)]
     problem = Problem(
         ops, tensors, frozenset(held), returned=frozenset(returned), name=name,
         host_bw=profile.host_bw if offload else 0.0, host_budget_bytes=host_budget_bytes if offload else None,

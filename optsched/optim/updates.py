@@ -33,7 +33,8 @@ def _group_indices(optimizer: Optimizer) -> dict[int, int]:
     return {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
 
-def _check_supported(optimizer: Optimizer, what: str) -> None:
+def check_supported(optimizer: Optimizer, what: str) -> None:
+    """NotImplementedError naming `what` and the optimizers supported, unless `optimizer` is one of them."""
     if type(optimizer) not in SUPPORTED:
         names = ", ".join(t.__name__ for t in SUPPORTED)
         raise NotImplementedError(
@@ -77,7 +78,7 @@ class InBackwardUpdates:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} is not in the optimizer's param_groups")
             self._group_of[id(p)] = groups[id(p)]
         if self._group_of:
-            _check_supported(optimizer, "updating parameters in the backward")
+            check_supported(optimizer, "updating parameters in the backward")
             if clip_grad_norm:
                 raise ValueError(
                     "gradient clipping by global norm (clip_grad_norm_) needs every gradient before any update: "
@@ -140,7 +141,7 @@ def state_sizes(optimizer: Optimizer, param: torch.Tensor) -> list[int]:
     """Bytes of each state tensor `optimizer` will hold for `param` on the parameter's own device once its
     first step ran (torch creates the state lazily there): what a plan must count from the first step, one
     allocation each. A parameter that requires no gradient never gets state."""
-    _check_supported(optimizer, "state_sizes")
+    check_supported(optimizer, "state_sizes")
     index = _group_indices(optimizer).get(id(param))
     if index is None:
         raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the optimizer's param_groups")
@@ -165,7 +166,7 @@ def state_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor] | None = No
     """Bytes of state `optimizer` will hold for `params` (default: all of its parameters; each counted once) on
     their devices after its first step, before that state exists. Raises NotImplementedError for an optimizer
     other than SGD, Adam and AdamW."""
-    _check_supported(optimizer, "state_bytes")
+    check_supported(optimizer, "state_bytes")
     groups = _group_indices(optimizer)
     if params is None:
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -79,8 +79,9 @@ class Planner:
         self.costs = costs or self.measured
         self.grads_at_start = grads_at_start
         self.first_micro_batch = first_micro_batch or (lambda: None)
-        self.unread_state: list[tuple[str, int]] = []  # the module's state the program does not read (see hold_inputs)
-        self.optimizer_state: list[tuple[str, int]] = []  # settings.optimizer's state tensors (optimizer_step.py)
+        # on the device the whole step, read by no program: the module's state it does not read and the optimizer's
+        # state (see hold_inputs), (name, bytes) each
+        self.resident: list[tuple[str, int]] = []
 
     def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
@@ -89,9 +90,11 @@ class Planner:
         device all the same, and every plan counts them (an unused 4 MiB Linear was 4 MiB over budget)."""
         self.measured.hold(values)
         state = list(state)
-        self.unread_state = unread_state(state, values, self.target.device)
+        self.resident = [(f"{n} (module state the program does not read)", b)
+                         for n, b in unread_state(state, values, self.target.device)]
         if self.settings.optimizer is not None:
-            self.optimizer_state = optimizer_state(self.settings.optimizer, self.target.device, state)
+            self.resident += [(f"{n} (optimizer state)", b)
+                              for n, b in optimizer_state(self.settings.optimizer, self.target.device, state)]
 
     def plan(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None = None) -> Planned:
         """The plan for this graph (`jg` its joint graph) and, per op of its problem, the node or fusion group it
@@ -113,8 +116,7 @@ class Planner:
         solver = ProgramSolver(self.settings, self.target, self.resolution, PlanningTime(), lending,
                                grads_at_start=self.grads_at_start)
         variants = Variants(gm, jg, kind, usage, self.observed_usage, solver=solver, fusion=self._fusion(),
-                            costs_of=self.costs, unread_state=self.unread_state,
-                            optimizer_state=self.optimizer_state)
+                            costs_of=self.costs, resident=self.resident)
         planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning)
         plan = planned.plan
         if kind.training and self.settings.optimizer is not None:

@@ -48,10 +48,9 @@ class Variants:
 
     def __init__(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
                  observed_usage: OutputUsage | None, *, solver: ProgramSolver, fusion: Fusion, costs_of: CostsOf,
-                 unread_state: list[tuple[str, int]], optimizer_state: list[tuple[str, int]] = ()):
+                 resident: list[tuple[str, int]]):
         self.gm, self.jg, self.kind, self.usage, self.observed_usage = gm, jg, kind, usage, observed_usage
-        self.solver, self.fusion, self.costs_of, self.unread_state = solver, fusion, costs_of, unread_state
-        self.optimizer_state = optimizer_state  # counted as the unread state is (planning/optimizer_step.py)
+        self.solver, self.fusion, self.costs_of, self.resident = solver, fusion, costs_of, resident
         self.settings, self.target, self.resolution, self.time = solver.settings, solver.target, solver.resolution, solver.time
         self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution,
                              measure=self.target.measure)
@@ -96,8 +95,7 @@ class Variants:
         t = self.target
         return build_problem(jg, t.profile, name=name, measured=costs, offload=t.offload,
                              host_budget_bytes=t.host_budget_bytes, usage=self.usage, device=t.device,
-                             grads_at_start=self.solver.grads_at_start, unread_state=self.unread_state,
-                             optimizer_state=self.optimizer_state)
+                             grads_at_start=self.solver.grads_at_start, resident=self.resident)
 
     def plan_chunked(self, built: Built, costs: NodeCosts | None, chains: list[Chain],
                      captured: BudgetInfeasibleError | None = None) -> Planned:

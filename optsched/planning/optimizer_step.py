@@ -19,9 +19,7 @@ from ..costs.measure import measure_peak
 from ..optim import state_sizes
 from ..solvers import BudgetInfeasibleError
 from ..solvers.model.problem import Problem, TensorKind
-
-_MIB = 2**20
-
+from .errors import mib
 
 def optimizer_state(optimizer: Optimizer, device: torch.device,
                     names: Iterable[tuple[str, torch.Tensor]] = ()) -> list[tuple[str, int]]:
@@ -96,8 +94,8 @@ def check_update_fits(problem: Problem, budget_bytes: int | None, scratch_bytes:
         name = type(optimizer).__name__
         raise BudgetInfeasibleError(
             budget_bytes, peak, peak, searched=False,
-            summary=f"{name}.step() after the backward needs {peak / _MIB:.2f} MiB (parameters, gradients, "
-                    f"{name}'s state and {scratch_bytes / _MIB:.2f} MiB of its temporaries) and the budget is "
-                    f"{budget_bytes / _MIB:.2f} MiB: raise the budget (updates inside the backward, which free each "
+            summary=f"{name}.step() after the backward needs {mib(peak)} (parameters, gradients, "
+                    f"{name}'s state and {mib(scratch_bytes)} of its temporaries) and the budget is "
+                    f"{mib(budget_bytes)}: raise the budget (updates inside the backward, which free each "
                     "gradient early, are not planned yet)")
     return peak

@@ -194,8 +194,8 @@ class Lending:
                        "own_bytes": own, "own_bound_bytes": e.lower_bound_bytes if e.proven else None}
         self.note = (
             f"an accumulation step (gradients live from its start): its own share of {self.resolution.budget} is "
-            f"{own / 2**20:.2f} MiB, which no plan met ({'proven' if e.proven else 'none found'}); planned with "
-            f"{first.peak_bytes / 2**20:.2f} MiB, what the first micro-batch's plan peaks at with the gradients live"
+            f"{mib(own)}, which no plan met ({'proven' if e.proven else 'none found'}); planned with "
+            f"{mib(first.peak_bytes)}, what the first micro-batch's plan peaks at with the gradients live"
         )
         return first.peak_bytes
 

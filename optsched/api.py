@@ -179,7 +179,7 @@ class Dispatcher:
         if self.sync is not None:  # what the caller set on the original module since the last call, and back
             self.sync()
         if self.resolution.needs_device:  # mem_budget="auto": the device's memory at the first call fixes the bytes
-            self.resolution.resolve_auto(self.module, args, kwargs)
+            self.resolution.resolve_auto(self.module, args, kwargs, optimizer=self.settings.optimizer)
         key = self.key(args, kwargs)
         entry = self.entries.get(key)
         if entry is None:
@@ -529,6 +529,7 @@ def optimize(
     chunking: bool | int | str | None = None,
     start_from: BudgetInfeasibleError | Plan | PlanFile | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    updates_in_backward: bool | str = "auto",
 ) -> Any:
     """Plan `fn_or_module` to run within `mem_budget` (peak device bytes of forward+backward: bytes, "12GB",
     "60%" of each training program's unplanned peak, "auto" on CUDA, or None for the fastest plan) at the least
@@ -543,7 +544,7 @@ def optimize(
     """
     settings = _checked_settings(
         mem_budget, device_profile, time_limit_s, progress, offload, host_budget, executor, plan, on_mismatch,
-        deterministic, chunking, start_from, optimizer,
+        deterministic, chunking, start_from, optimizer, updates_in_backward,
     )
     if not callable(fn_or_module):
         raise TypeError(f"optimize() needs a function or an nn.Module, got {type(fn_or_module).__name__}")
@@ -562,12 +563,12 @@ def optimize(
 
 
 def _checked_settings(mem_budget, device_profile, time_limit_s, progress, offload, host_budget, executor, plan,
-                      on_mismatch, deterministic, chunking, start_from, optimizer) -> PlanningSettings:
+                      on_mismatch, deterministic, chunking, start_from, optimizer, updates_in_backward) -> PlanningSettings:
     """optimize()'s options, every one checked now: none is first checked at the first call."""
     budget, host = parse_planning_options(mem_budget, host_budget, offload, executor, time_limit_s, auto=True)
     settings = PlanningSettings(
         budget, device_profile, time_limit_s, progress, offload, host, executor, plan, on_mismatch, deterministic,
-        chunking, _start_plan(start_from), optimizer,
+        chunking, _start_plan(start_from), optimizer, updates_in_backward,
     )
     if budget.auto and not torch.cuda.is_available():
         auto_device([])  # raises: "auto" needs a CUDA device, and says what to pass instead

@@ -126,6 +126,8 @@ def _option_rules(v: object) -> dict[str, tuple[bool, str]]:
         "on_mismatch": (isinstance(v, str) and v in ("error", "replan"), f"on_mismatch must be 'error' or 'replan', got {v!r}"),
         "deterministic": (flag, f"deterministic must be True, False or None, got {v!r}"),
         "optimizer": (v is None or _is_optimizer(v), f"optimizer must be a torch.optim.Optimizer, got {type(v).__name__}"),
+        "updates_in_backward": (v == "auto" if isinstance(v, str) else v is False,
+                                f"updates_in_backward must be 'auto' or False, got {v!r}"),
         "chunking": (flag or (v == "auto" if isinstance(v, str) else isinstance(v, int) and v >= 1),
                      f"chunking must be True, False, None, 'auto' or a chunk count (an int from 1), got {v!r}"),
     }
@@ -209,10 +211,11 @@ def auto_budget(mem: DeviceMemory, resident_bytes: int) -> dict:
     return detail
 
 
-def step_tensors(module, args: tuple, kwargs: dict) -> list:
+def step_tensors(module, args: tuple, kwargs: dict, optimizer=None) -> list:
     """The tensors a call of an optimized callable starts from: the module's parameters and buffers, and
     the tensors (and modules' parameters and buffers) among the call's arguments, with the gradients they
-    already have (an accumulation step is planned with them live: api.grads_at_start)."""
+    already have (an accumulation step is planned with them live: api.grads_at_start), and the state `optimizer`
+    (optimize's `optimizer=`, whose state every plan counts) already holds."""
     import torch
     from ._torch import tree_leaves
 
@@ -222,7 +225,8 @@ def step_tensors(module, args: tuple, kwargs: dict) -> list:
             out += [*leaf.parameters(), *leaf.buffers()]
         elif isinstance(leaf, torch.Tensor):
             out.append(leaf)
-    return out + [t.grad for t in out if t.is_leaf and t.grad is not None]
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)] if optimizer else []
+    return out + [t.grad for t in out if t.is_leaf and t.grad is not None] + state
 
 
 def resident_bytes(tensors: list, device) -> int:
@@ -374,10 +378,11 @@ class AutoBytes(BudgetKind):
     def needs_device(self) -> bool:
         return self.nbytes is None
 
-    def resolve(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
-        """Fix the bytes from the device the call's tensors are on (`auto_budget`); `memory` for tests.
+    def resolve(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None, optimizer=None) -> None:
+        """Fix the bytes from the device the call's tensors are on (`auto_budget`); `memory` for tests; `optimizer`:
+        optimize's, whose state the plans count (what it holds already is added back, like the inputs).
         ValueError when the step is not on a CUDA device or nothing is left for it."""
-        tensors = step_tensors(module, args, kwargs)
+        tensors = step_tensors(module, args, kwargs, optimizer)
         device = auto_device(tensors)
         detail = auto_budget(memory if memory is not None else DeviceMemory.of(device), resident_bytes(tensors, device))
         self.nbytes, self.detail = detail["bytes"], detail
@@ -584,9 +589,9 @@ class BudgetResolution:
         """The record of the training program given the most bytes so far (a share's), as a dict."""
         return self.kind.largest.as_dict() if self.kind.largest is not None else None
 
-    def resolve_auto(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None) -> None:
+    def resolve_auto(self, module, args: tuple, kwargs: dict, memory: DeviceMemory | None = None, optimizer=None) -> None:
         """Fix "auto"'s bytes from the device the call's tensors are on (AutoBytes.resolve)."""
-        self.kind.resolve(module, args, kwargs, memory)
+        self.kind.resolve(module, args, kwargs, memory, optimizer)
 
     def for_shapes(self, shapes: str | None) -> SignatureResolution:
         """This resolution as the programs of one input signature see it (what they record is shared)."""

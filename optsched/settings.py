@@ -34,6 +34,9 @@ class PlanningSettings:
     start_from: Schedule | PlanFile | None = field(default=None, compare=False)  # offered to every solve first (a hint)
     # the user's optimizer (issue 36): its state and its update are planned with the step
     optimizer: Any = field(default=None, compare=False)
+    # "auto": the planner updates parameters inside the backward where the budget needs it; False: never (the
+    # user clips gradients by their global norm or uses a GradScaler: both need every gradient first)
+    updates_in_backward: bool | str = "auto"
 
     def __post_init__(self) -> None:
         """Every option is checked here, as optimize() and plan_offline() build the settings: a bad one raises
@@ -42,8 +45,19 @@ class PlanningSettings:
                          if f.name not in ("budget", "host_budget", "start_from")})
         if self.optimizer is not None:
             check_supported(self.optimizer, "planning the whole step with optimizer= (pass none to plan without it)")
+        if self.updates_in_backward is False and self.optimizer is None:
+            raise ValueError("updates_in_backward=False says how to plan an optimizer's update: pass optimizer= too")
         if self.optimizer is not None and self.plan is not None:  # a replay would rebuild the step without the state
             raise ValueError("plan files do not record an optimizer's state yet: pass optimizer= or plan=, not both")
+
+    @property
+    def updates(self) -> Any:
+        """The optimizer's in-backward updates the plans may use (optim.in_backward), None where they may not."""
+        if self.optimizer is None or self.updates_in_backward is False:
+            return None
+        from .optim import in_backward
+
+        return in_backward(self.optimizer)
 
     @property
     def chunk_counts(self) -> tuple[int, ...]:

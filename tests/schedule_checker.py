@@ -54,6 +54,12 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
     for o in set(recomputed):
         if not ops[o].recomputable:
             out.append(f"{ops[o].name} is recomputed but is not recomputable")
+    overwritten: set[int] = set()  # step inputs an op wrote in place (an optimizer update): nothing reads them after
+    for o in schedule.bw_order:
+        stale = overwritten & set(ops[o].inputs)
+        if stale:
+            out.append(f"{ops[o].name} reads {sorted(tensors[t].name for t in stale)} after they were overwritten")
+        overwritten |= set(ops[o].writes)
     if out:
         return out
 

@@ -327,6 +327,13 @@ def test_auto_counts_the_steps_inputs_once():
     tensors = step_tensors(lin, (x, x[1:], {"again": lin}), {"also": x.t()})
     assert resident_bytes(tensors, torch.device("cpu")) == 440 + 160  # views and repeats counted once
     assert resident_bytes(tensors, torch.device("meta")) == 0  # only what is on the device read
+    opt = torch.optim.Adam(lin.parameters())
+    lin(x).sum().backward()
+    opt.step()  # state that exists before the first call: counted by the plans, so added back like the inputs
+    with_state = resident_bytes(step_tensors(lin, (x,), {}, opt), torch.device("cpu"))
+    # exp_avg and exp_avg_sq of weight and bias, and their two float32 step counts (on the CPU)
+    assert with_state - resident_bytes(step_tensors(lin, (x,), {}), torch.device("cpu")) == 2 * 440 + 2 * 4
+    lin.weight.grad = lin.bias.grad = None
     lin.weight.grad = torch.zeros(10, 10)  # an accumulation step starts with its gradients (planned live)
     assert resident_bytes(step_tensors(lin, (x,), {}), torch.device("cpu")) == 440 + 160 + 400
 

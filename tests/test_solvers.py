@@ -390,6 +390,31 @@ def test_simulator_rejects_reading_a_value_the_schedule_never_made():
         simulate(p, Schedule([1, 2], [0, 3, 4, 5]))
 
 
+def _with_update(problem: Problem, writes: tuple[int, ...] = (1,), reads: tuple[int, ...] = (8, 1)) -> Problem:
+    """`tiny_training_problem` with an optimizer update last: it reads gw and w and writes w in place."""
+    update = Op(len(problem.ops), "update", Phase.BW, reads, (), time_s=0.1, recomputable=False, writes=writes)
+    return dataclasses.replace(problem, ops=[*problem.ops, update], outputs=problem.outputs - {8})
+
+
+def test_nothing_reads_an_input_after_an_op_writes_it():
+    """An update writes w: the backward may recompute mm (which reads w) before it, never after; the simulator and
+    the independent checker both refuse the late one, and the problem refuses a write into what the op does not
+    read or into an activation."""
+    from tests.schedule_checker import violations
+
+    p = _with_update(tiny_training_problem())
+    early = Schedule([0, 1, 2], [3, 0, 4, 5, 6])
+    assert simulate(p, early).recomputed_ops == [0] and violations(p, early) == []
+    late = Schedule([0, 1, 2], [3, 4, 5, 6, 0])
+    with pytest.raises(ScheduleError, match="reads 'w' after 'update' overwrote it"):
+        simulate(p, late)
+    assert any("after they were overwritten" in v for v in violations(p, late))
+    with pytest.raises(ValueError, match="writes 'w'"):
+        _with_update(tiny_training_problem(), reads=(8,))
+    with pytest.raises(ValueError, match="writes 'mm.0'"):  # h, an activation
+        _with_update(tiny_training_problem(), writes=(2,), reads=(8, 2))
+
+
 def test_schedule_error_is_a_value_error():
     assert issubclass(ScheduleError, ValueError)
 

@@ -105,6 +105,8 @@ def show_rows(data: dict) -> list[tuple[str, str]]:
             off += f"; host memory {fmt_mib(s['host_bytes'])}"
         off += f"; copies busy {fmt_time(s['transfer_s'])}, compute waits {fmt_time(s['exposed_transfer_s'])}"
     rows.append(("offloaded", off))
+    if s.get("updates_in_backward"):  # optimize(..., optimizer=): parameters the optimizer updates in the backward
+        rows.append(("updated in backward", f"{len(s['updates_in_backward'])} parameters: {_names(s['updates_in_backward'])}"))
     offload_setting = {True: "allowed", False: "off"}.get(mf.get("offload"), str(mf.get("offload")))
     if mf.get("offload") and s.get("host_budget_bytes") is not None:
         offload_setting += f", host budget {fmt_size(s['host_budget_bytes'])}"

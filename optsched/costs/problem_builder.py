@@ -18,6 +18,7 @@ from ..passes.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph, Storage
 from .sdpa_prediction import host_outputs
 from ..passes.op_variants import inplace_foreach, out_variant
+from ..optim.in_graph import is_update
 from ..capture.output_usage import OutputUsage, tangent_outputs
 from ..solvers.model import clock
 from ..solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
@@ -282,6 +283,38 @@ def order_writes(jg: JointGraph, nodes: list[fx.Node], ops: list[Op], tensors: l
     return new_ops, tensors
 
 
+def _update_op(jg: JointGraph, node: fx.Node, oid: int, reads: tuple[int, ...], profile: DeviceProfile,
+               count) -> Op:
+    """The optimizer's update (optim/in_graph.py): it writes its parameters and holds its temporaries while it runs."""
+    update = node.target
+    params = [s for p in node.args[1] for s in jg.node_storages(p)]
+    return Op(id=oid, name=node.name, phase=Phase.BW, inputs=reads, outputs=(), recomputable=False,
+              time_s=update.time_s(profile.mem_bw, profile.launch_s), workspace_bytes=count(update.scratch_bytes),
+              writes=tuple(dict.fromkeys(params)))
+
+
+def order_updates(ops: list[Op], tensors: list[Tensor]) -> tuple[list[Op], list[Tensor]]:
+    """Every backward op that reads a parameter an update writes runs before the update: it reads a 0-byte token
+    of each such reader (the solver's order then keeps them before it; the simulator refuses a recomputation
+    reading the parameter after it)."""
+    written = {t: op.id for op in ops for t in op.writes}
+    if not written:
+        return ops, tensors
+    tensors = list(tensors)
+    extra_in: dict[int, list[int]] = {}
+    extra_out: dict[int, list[int]] = {}
+    for op in ops:
+        for writer in dict.fromkeys(written[t] for t in op.inputs if t in written):
+            if op.phase is Phase.BW and writer != op.id:
+                t = Tensor(len(tensors), f"{op.name}.before_update{len(extra_out.get(op.id, []))}", 0,
+                           TensorKind.ACTIVATION, op.id, offloadable=False)
+                tensors.append(t)
+                extra_out.setdefault(op.id, []).append(t.id)
+                extra_in.setdefault(writer, []).append(t.id)
+    return [dataclasses.replace(op, inputs=op.inputs + tuple(extra_in.get(op.id, ())),
+                                outputs=op.outputs + tuple(extra_out.get(op.id, ()))) for op in ops], tensors
+
+
 def _roofline(node: fx.Node, profile: DeviceProfile) -> float:
     """The profile's roofline time; the chunked LM head + cross-entropy (passes/chunked_ce.py) as its k chunks
     run: each reads the weight twice and reads and writes the weight's gradient, and launches its kernels."""
@@ -356,6 +389,10 @@ def build_problem(
         for s in outs:
             tensors[s] = dataclasses.replace(tensors[s], producer=oid)
         reads = tuple(s for s in jg.arg_storages(node) if s not in outs)
+        if is_update(node):
+            ops.append(_update_op(jg, node, oid, reads, profile, count))
+            nodes.append(node)
+            continue
         ops.append(
             Op(
                 id=oid,
@@ -374,6 +411,7 @@ def build_problem(
         )
         nodes.append(node)
     ops, tensors = order_writes(jg, nodes, ops, tensors)
+    ops, tensors = order_updates(ops, tensors)
     caller = caller_loss_bytes(jg, usage, count=cuda.count if cuda is not None else None)
     if caller:
         tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False)]

@@ -37,6 +37,7 @@ from .profiles import NodeCosts, get_profile, node_time, random_like
 from .measure import device_sync, memory_profile, walk_events
 from ..solvers.model import clock
 from ..passes.op_variants import inplace_foreach, out_variant
+from ..optim.in_graph import is_update
 from .._torch import ALLOCATION_EVENT
 
 _OP = "optsched::"
@@ -144,7 +145,7 @@ def identical_ops(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """The graph's ops grouped by `op_key`, each group in graph order, groups in order of first use."""
     groups: dict[tuple, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function":
+        if n.op == "call_function" and not is_update(n):  # an optimizer update: its roofline (problem_builder)
             groups.setdefault(op_key(n), []).append(n)
     return list(groups.values())
 

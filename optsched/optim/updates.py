@@ -16,6 +16,7 @@ so a plan can count it from the first step.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from types import TracebackType
 
@@ -135,6 +136,19 @@ class InBackwardUpdates:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+_registry: weakref.WeakKeyDictionary[Optimizer, InBackwardUpdates] = weakref.WeakKeyDictionary()
+
+
+def in_backward(optimizer: Optimizer) -> InBackwardUpdates:
+    """The one `InBackwardUpdates` of `optimizer` (made at the first call, over all its parameters), which the
+    plans of `optimize(..., optimizer=optimizer)` update parameters through. Set its `step_on_backward` to False
+    for the backward of a micro-batch that does not step (gradient accumulation)."""
+    if optimizer not in _registry:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        _registry[optimizer] = InBackwardUpdates(optimizer, params)
+    return _registry[optimizer]
 
 
 def state_sizes(optimizer: Optimizer, param: torch.Tensor) -> list[int]:

@@ -9,17 +9,23 @@ kernels make for a whole list at once: measured once on small CPU replicas, then
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
+import torch.fx as fx
 from torch.optim import Optimizer
 
 from .._torch import unset_fake_temporarily
 from ..costs.measure import measure_peak
 from ..optim import state_sizes
-from ..solvers import BudgetInfeasibleError
-from ..solvers.model.problem import Problem, TensorKind
+from ..capture.joint_graph import JointGraph, build_joint_graph
+from ..optim import InBackwardUpdates
+from ..optim.in_graph import PASSES, UpdateNode, add_updates, is_update
+from ..solvers import simulate
 from .errors import mib
+from ..passes.chunking import copy_graph
+from ..solvers.model.problem import Phase, TensorKind
 
 def optimizer_state(optimizer: Optimizer, device: torch.device,
                     names: Iterable[tuple[str, torch.Tensor]] = ()) -> list[tuple[str, int]]:
@@ -80,22 +86,85 @@ def _measured_scratch(optimizer: Optimizer, params: list[list[torch.Tensor]]) ->
     return shrink * measure_peak(replica.step, "cpu").peak_bytes
 
 
-def end_bytes(problem: Problem) -> int:
-    """What the planned program holds when it returns: the step's inputs and constants (the optimizer's state
-    included) and what it hands the caller (gradients, kept outputs)."""
-    return sum(t.bytes for t in problem.tensors if t.kind is TensorKind.INPUT or t.id in problem.outputs)
+class WholeStep:
+    """The optimizer's update in one training program's graph (optim/in_graph.py): after the backward, as the
+    user's `opt.step()` makes it (`after_graph`), or each parameter's inside the backward where its gradient is
+    final (`in_backward_graph`: offered where the budget is out of reach otherwise). `inputs`: the program's real
+    inputs in order (the parameters among them are the optimizer's); `names`: id(parameter) -> its name."""
+
+    def __init__(self, optimizer: Optimizer, updates: InBackwardUpdates | None, inputs: list,
+                 names: dict[int, str]):
+        self.optimizer, self.updates = optimizer, updates
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        # primal index -> parameter (only ids: the batch's tensors are not kept alive by the plan)
+        self.params = {i: v for i, v in enumerate(inputs) if isinstance(v, torch.Tensor) and id(v) in mine}
+        self.names = {i: names.get(id(p), f"parameter {i}") for i, p in self.params.items()}
+        self.passes = PASSES[type(optimizer).__name__]
+
+    def after_graph(self, gm: fx.GraphModule, jg: JointGraph) -> tuple[fx.GraphModule, JointGraph]:
+        """A copy of the program with the update of every parameter after the backward (a no-op when run)."""
+        return self._with(gm, jg, [])
+
+    def in_backward_graph(self, gm: fx.GraphModule, jg: JointGraph) -> tuple[fx.GraphModule, JointGraph] | None:
+        """A copy of the program with each parameter that can be updated in the backward updated there, the rest
+        after it; None when none can (no in-backward updates allowed, or no gradient the backward makes alone)."""
+        if self.updates is None:
+            return None
+        made = [i for i in sorted(self.params) if _own_gradient(jg, i)]
+        return self._with(gm, jg, made) if made else None
+
+    def _with(self, gm: fx.GraphModule, jg: JointGraph, inside: list[int]) -> tuple[fx.GraphModule, JointGraph]:
+        g = copy_graph(gm)
+        nodes = {i: UpdateNode((self.params[i],), (self.names[i],), update_scratch_bytes(self.optimizer, [self.params[i]]),
+                               self.passes, self.updates) for i in inside}
+        rest = [i for i in sorted(self.params) if i not in nodes and _has_gradient(jg, i)]
+        after = None
+        if rest:
+            ps = [self.params[i] for i in rest]
+            after = (rest, UpdateNode(tuple(ps), tuple(self.names[i] for i in rest),
+                                      update_scratch_bytes(self.optimizer, ps), self.passes))
+        add_updates(g, jg.num_fwd_outputs, nodes, after)
+        freed = any(s.kind is TensorKind.TANGENT_FREED for s in jg.storages)
+        return g, build_joint_graph(g, jg.num_fwd_outputs, freed_tangents=freed)
 
 
-def check_update_fits(problem: Problem, budget_bytes: int | None, scratch_bytes: int, optimizer: Optimizer) -> int:
-    """The peak of the update after the backward (`end_bytes` + its temporaries); BudgetInfeasibleError naming
-    the optimizer when it is over `budget_bytes` (no plan of the program can lower it)."""
-    peak = end_bytes(problem) + scratch_bytes
+def _has_gradient(jg: JointGraph, i: int) -> bool:
+    return i < len(jg.bw_outputs) and isinstance(jg.bw_outputs[i], fx.Node)
+
+
+def _own_gradient(jg: JointGraph, i: int) -> bool:
+    """Primal `i`'s gradient (or the view of one) lies in a storage the backward makes and no other output holds:
+    freed at its update, nothing else lost."""
+    if not _has_gradient(jg, i):
+        return False
+    storages = jg.node_storages(jg.bw_outputs[i])
+    if len(storages) != 1:
+        return False
+    storage = jg.storages[storages[0]]
+    if storage.kind is not TensorKind.ACTIVATION or jg.phase.get(storage.node) is not Phase.BW:
+        return False
+    others = [o for k, o in enumerate(jg.fw_outputs + jg.bw_outputs) if k != len(jg.fw_outputs) + i]
+    return all(not isinstance(o, fx.Node) or storages[0] not in jg.node_storages(o) for o in others)
+
+
+def warn_when_not_stepping(plan, items: list, budget_bytes: int | None) -> int:
+    """The peak of the plan's schedule on a backward that does not step (`step_on_backward = False`: each
+    in-backward update hands its gradient back, kept to the end as eager keeps it) and, where that is over
+    `budget_bytes`, the warning each update node gives when run so (a micro-batch of an accumulation)."""
+    problem = plan.problem
+    updates = [(o, item.target) for o, item in enumerate(items)
+               if isinstance(item, fx.Node) and is_update(item) and item.target.in_backward]
+    kept_grads = {t for o, _ in updates for t in problem.ops[o].inputs
+                  if problem.tensors[t].kind is TensorKind.ACTIVATION and t not in problem.ops[o].writes}
+    ops = [dataclasses.replace(op, workspace_bytes=0) if any(o == op.id for o, _ in updates) else op
+           for op in problem.ops]
+    peak = simulate(dataclasses.replace(problem, ops=ops, outputs=problem.outputs | kept_grads), plan.schedule).peak_bytes
+    warning = None
     if budget_bytes is not None and peak > budget_bytes:
-        name = type(optimizer).__name__
-        raise BudgetInfeasibleError(
-            budget_bytes, peak, peak, searched=False,
-            summary=f"{name}.step() after the backward needs {mib(peak)} (parameters, gradients, "
-                    f"{name}'s state and {mib(scratch_bytes)} of its temporaries) and the budget is "
-                    f"{mib(budget_bytes)}: raise the budget (updates inside the backward, which free each "
-                    "gradient early, are not planned yet)")
+        warning = (f"this backward does not step (step_on_backward=False): its gradients stay live to its end, as "
+                   f"eager keeps them, and its peak is {mib(peak)}, over the budget of {mib(budget_bytes)} its plan "
+                   "(updates inside the backward) was made for; micro-batches that accumulate hold every gradient "
+                   "whatever the plan: raise the budget to cover them")
+    for _, target in updates:
+        target.not_stepping_warning = warning
     return peak

@@ -36,11 +36,12 @@ from ..solvers.model.problem import collecting_rejections, rejections_in
 from ..user_checkpoint import reference_peak
 from .fusion import Fusion
 from .op_costs import CostsOf, MeasuredCosts
-from .optimizer_step import check_update_fits, optimizer_state, update_scratch_bytes
+from .optimizer_step import WholeStep, optimizer_state
 from .program import Planned, ProgramKind, Target
 from .replay import Found, PlanFiles, replay
 from .solving import Lending, ProgramSolver
 from .timing import PlanningTime
+from .in_backward import variants_for
 from .variants import Variants
 
 
@@ -82,6 +83,7 @@ class Planner:
         # on the device the whole step, read by no program: the module's state it does not read and the optimizer's
         # state (see hold_inputs), (name, bytes) each
         self.resident: list[tuple[str, int]] = []
+        self.step: WholeStep | None = None  # with optimizer=: its update in the training program (hold_inputs)
 
     def hold_inputs(self, values: list, state: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
         """The real values the captured program's inputs stand for (parameters first): op timing reads
@@ -95,6 +97,7 @@ class Planner:
         if self.settings.optimizer is not None:
             self.resident += [(f"{n} (optimizer state)", b)
                               for n, b in optimizer_state(self.settings.optimizer, self.target.device, state)]
+            self.step = WholeStep(self.settings.optimizer, self.settings.updates, values, {id(t): n for n, t in state})
 
     def plan(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None = None) -> Planned:
         """The plan for this graph (`jg` its joint graph) and, per op of its problem, the node or fusion group it
@@ -115,12 +118,10 @@ class Planner:
                           first_micro_batch=self.first_micro_batch, record=found.lent_record)
         solver = ProgramSolver(self.settings, self.target, self.resolution, PlanningTime(), lending,
                                grads_at_start=self.grads_at_start)
-        variants = Variants(gm, jg, kind, usage, self.observed_usage, solver=solver, fusion=self._fusion(),
-                            costs_of=self.costs, resident=self.resident)
+        variants = variants_for(self.step, gm, jg, kind, usage, self.observed_usage, solver=solver,
+                                fusion=self._fusion(), costs_of=self.costs, resident=self.resident)
         planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning)
         plan = planned.plan
-        if kind.training and self.settings.optimizer is not None:
-            note_optimizer_update(plan, self.settings.optimizer)
         if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
             usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
         plan.fingerprint, plan.offload_allowed = fp, self.target.offload
@@ -180,10 +181,3 @@ def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, dete
                 time.finish()
     planned.plan.stats.notes += recovered.notes()
     return planned
-
-
-def note_optimizer_update(plan: Plan, opt: torch.optim.Optimizer) -> None:
-    """A training plan with `optimizer=`: the update after the backward must fit the budget too (else
-    BudgetInfeasibleError naming the optimizer); its predicted peak is noted on the plan."""
-    peak = check_update_fits(plan.problem, plan.budget_bytes, update_scratch_bytes(opt), opt)
-    plan.stats.notes.append(f"{type(opt).__name__}.step() after the backward: predicted peak {peak} bytes")

@@ -50,10 +50,14 @@ class Variants:
                  observed_usage: OutputUsage | None, *, solver: ProgramSolver, fusion: Fusion, costs_of: CostsOf,
                  resident: list[tuple[str, int]]):
         self.gm, self.jg, self.kind, self.usage, self.observed_usage = gm, jg, kind, usage, observed_usage
+        self.costs: NodeCosts | None = None  # the op costs of `gm`, once measured
         self.solver, self.fusion, self.costs_of, self.resident = solver, fusion, costs_of, resident
         self.settings, self.target, self.resolution, self.time = solver.settings, solver.target, solver.resolution, solver.time
         self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution,
                              measure=self.target.measure)
+
+    # a planner with something to try after the graph as captured fails (in_backward.py) gives the graph a share
+    more_after = False
 
     def plan(self) -> Planned:
         """The program's plan: the graph as captured, or the chunk count chosen (see passes/chunking.py)."""
@@ -63,7 +67,7 @@ class Variants:
         self.floors.refuse_below_floor(chains, skipped, asked)  # before any op is timed
         # "auto": the captured graph's own share is provably out of reach only where no chunk count reaches it either
         reach = (lambda own: min(self.floors.chunk_floors(CHUNK_COUNTS[1:], own).values())) if chains and when_needed else None
-        costs = self.costs_of(self.gm, self.jg)
+        costs = self.costs = self.costs_of(self.gm, self.jg)
         built = self.build(self.jg, self.kind.value, costs)
         if chains and not when_needed:
             planned = self.plan_chunked(built, costs, chains)
@@ -77,7 +81,8 @@ class Variants:
     def plan_captured(self, built: Built, costs: NodeCosts | None, chains: list[Chain], skipped: list[str], asked: bool,
                       reach: Callable[[int], int] | None) -> Planned:
         """The graph as captured; with chunking="auto" (`chains` found), the chunk counts where it does not fit."""
-        self.time.share = AUTO_FIRST_SHARE if chains else 1.0  # "auto": the graph as captured gets its share
+        # "auto" (or updates in the backward to try after it): the graph as captured gets its share
+        self.time.share = AUTO_FIRST_SHARE if chains or self.more_after else 1.0
         hold = droppable_outputs(self.jg, self.usage, built.problem, self.observed_usage, self.resolution)
         solve = lambda problem, nodes, items, b: self.solver.solve(problem, nodes, items, b, hold=hold, reach=reach)
         try:

@@ -61,6 +61,8 @@ SUMMARY_KEYS = {
     "'h' it is held through the backward, '-' not (e.g. 'gh,--' for a loss used and logits dropped); None forward-only",
     "grads_at_start": "the step starts with gradients it accumulates into (a later micro-batch): planned with them "
     "live the whole step",
+    "updates_in_backward": "the parameters the optimizer updates inside the backward (optimize(..., optimizer=)), "
+    "each as soon as its gradient is final; empty: the user's opt.step() updates them all after it",
     "chunks": "per LM head + cross-entropy chain (passes/chunking.py), the number of token chunks it runs in "
     "(1: as captured); empty when there is none or chunking is off",
 }
@@ -90,6 +92,7 @@ class Plan:
     chunks: dict[str, int] = field(default_factory=dict)  # chain name -> chunk count (passes/chunking.py)
     chunk_trials: list[dict] = field(default_factory=list)  # per chunk count tried: fits, peak, time
     grads_at_start: bool = False  # an accumulation step: the gradients it adds into are live from its start
+    updates_in_backward: list[str] = field(default_factory=list)  # parameters updated inside the backward
 
     @property
     def kind(self) -> str:
@@ -159,6 +162,7 @@ class Plan:
             "output_usage": self.output_usage,
             "chunks": dict(self.chunks),
             "grads_at_start": self.grads_at_start,
+            "updates_in_backward": list(self.updates_in_backward),
         }
         assert set(out) == set(SUMMARY_KEYS)
         return out

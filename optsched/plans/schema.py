@@ -143,6 +143,7 @@ class Summary:
     bound_valid_for: str | None = None  # written since issue 14
     chunks: dict[str, int] | None = None  # written since issue 16 (chunking)
     grads_at_start: bool = False  # written since accumulation steps are planned apart (issue 24)
+    updates_in_backward: list[str] | None = None  # written since the optimizer's update is planned (issue 36)
 
 
 @dataclass(frozen=True, kw_only=True)

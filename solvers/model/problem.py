@@ -73,6 +73,9 @@ class Op:
     # place): every input must die at this op; otherwise one pair is taken, the first that can be
     reuse_all: bool = False
     workspace_bytes: int = 0  # allocated and freed inside the op (kernel scratch), on top of its outputs
+    # inputs (the step's own inputs) this backward op overwrites in place, as an optimizer's update writes its
+    # parameter: every op reading one, a recomputation included, runs before it (the simulator refuses others)
+    writes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,10 @@ class Problem:
             for t in op.inputs:
                 if t not in produced:
                     raise ValueError(f"op {op.name!r} reads tensor {self.tensors[t].name!r} before it exists")
+            for t in op.writes:
+                if t not in op.inputs or op.phase is not Phase.BW or self.tensors[t].kind is not TensorKind.INPUT:
+                    raise ValueError(f"op {op.name!r} writes {self.tensors[t].name!r}: only a backward op writes, "
+                                     "and only a step input it reads")
             for out, inp in op.reuse:
                 if out not in op.outputs or inp not in op.inputs:
                     raise ValueError(f"op {op.name!r} reuse pair ({out}, {inp}) is not (output, input)")

@@ -60,6 +60,7 @@ def _check_orders(problem: Problem, schedule: Schedule) -> None:
         raise ScheduleError(f"forward order is not a permutation of the forward ops (missing {sorted(missing)[:5]})")
     bw_ids = {o.id for o in problem.bw_ops}
     seen: set[int] = set()
+    written: dict[int, str] = {}  # input -> the op that overwrote it (Op.writes)
     for o in schedule.bw_order:
         if o in seen:
             raise ScheduleError(f"op {problem.ops[o].name!r} appears twice in the backward order")
@@ -67,6 +68,10 @@ def _check_orders(problem: Problem, schedule: Schedule) -> None:
         op = problem.ops[o]
         if op.phase is Phase.FW and not op.recomputable:
             raise ScheduleError(f"op {op.name!r} is not recomputable")
+        if late := [t for t in op.inputs if t in written]:
+            raise ScheduleError(f"op {op.name!r} reads {problem.tensors[late[0]].name!r} after {written[late[0]]!r} "
+                                "overwrote it")
+        written.update((t, op.name) for t in op.writes)
     if not bw_ids <= seen:
         raise ScheduleError(f"backward order misses {len(bw_ids - seen)} backward ops")
 

@@ -89,6 +89,7 @@ def fuse_ops(problem: Problem, groups: list[list[int]], times: list[float], work
             time_s=times[group_of[unit[0]]],
             recomputable=all(m.recomputable for m in members),
             workspace_bytes=0 if workspaces is None else workspaces[group_of[unit[0]]],
+            writes=tuple(t for m in members for t in m.writes),
         ))
     fused = Problem(ops, tensors, problem.outputs, returned=problem.returned, name=problem.name,
                     host_bw=problem.host_bw, host_budget_bytes=problem.host_budget_bytes)

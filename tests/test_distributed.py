@@ -18,6 +18,8 @@ import os
 import socket
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,3 +259,35 @@ def _main(scenario: str, rank: int, world: int) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+
+
+def test_optimizer_is_refused_before_any_collective():
+    """optimizer= under torch.distributed: refused at once (the replayed plans would not record it, and updates
+    inside the backward would skip DDP's all-reduce), before any process group is needed."""
+    import torch
+
+    import optsched.distributed as od
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(NotImplementedError, match="optimizer= is not supported under torch.distributed"):
+        od.optimize(model, None, example_inputs=(torch.randn(2, 4),), optimizer=torch.optim.SGD(model.parameters()))
+
+
+def test_an_update_inside_the_backward_refuses_a_process_group_of_several_ranks(monkeypatch):
+    """A plan's update inside the backward under DDP would update from this rank's gradient alone: it raises."""
+    import torch
+    import torch.distributed as dist
+
+    from optsched.optim import in_backward
+    from optsched.optim.in_graph import UpdateNode
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=1.0)
+    node = UpdateNode((p,), ("p",), 0, 3, in_backward(opt))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="skip the gradients' all-reduce"):
+        node([torch.ones(3)], [p])
+    assert torch.equal(p, torch.ones(3))  # not updated
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert node([torch.ones(3)], [p]) is None and torch.equal(p.detach(), torch.zeros(3))

@@ -216,3 +216,21 @@ def test_options_are_checked_at_optimize():
         optsched.optimize(model, optimizer=torch.optim.SGD(model.parameters()), updates_in_backward=True)
     with pytest.raises(ValueError, match="pass optimizer= too"):
         optsched.optimize(model, updates_in_backward=False)
+
+
+def test_a_copy_plans_without_the_optimizer():
+    """A deep copy has parameters the optimizer does not hold: it plans without the optimizer (no state counted, no
+    update in its graph) instead of replaying plans made with it."""
+    import copy
+
+    model = mlp()
+    opt = adamw(model)
+    om = optsched.optimize(model, None, optimizer=opt, device_profile="cpu", time_limit_s=2)
+    x = torch.randn(32, 64)
+    om(x).square().mean().backward()
+    assert any(t.name.endswith("(optimizer state)") for t in om.plan.problem.tensors)
+    twin = copy.deepcopy(om)
+    twin(x).square().mean().backward()
+    assert not any(t.name.endswith("(optimizer state)") for t in twin.plan.problem.tensors)
+    assert not any(op.writes for op in twin.plan.problem.ops)
+    assert all(p.grad is not None for p in twin.parameters())

@@ -61,6 +61,7 @@ class UpdateNode:
         if self.updates is None:
             return None
         (grad,) = grads
+        _refuse_data_parallel()
         if not self.updates.step_on_backward:
             if self.not_stepping_warning is not None:
                 warnings.warn(self.not_stepping_warning, OverBudgetWarning, stacklevel=2)
@@ -77,6 +78,18 @@ class UpdateNode:
     def __repr__(self) -> str:
         where = "in the backward" if self.in_backward else "after the backward"
         return f"optimizer_update({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''}; {where})"
+
+
+def _refuse_data_parallel() -> None:
+    """An update inside the backward takes the gradient before the autograd engine accumulates it, where DDP's
+    hooks all-reduce it: under a process group of more than one rank it would update from this rank's gradient
+    alone, so it raises instead."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("a plan updates parameters inside the backward under torch.distributed (world size "
+                           f"{dist.get_world_size()}): the update would skip the gradients' all-reduce; optimize "
+                           "with updates_in_backward=False")
 
 
 class OverBudgetWarning(UserWarning):

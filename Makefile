@@ -59,6 +59,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.scaling_llama --label after --depths 8,16,32,80
 	$(BIN)/python -m benchmarks.chunking
 	$(BIN)/python -m benchmarks.fsdp_offline
+	$(BIN)/python -m benchmarks.whole_step
 	$(BIN)/python -m benchmarks.report
 	$(BIN)/python notebooks/execute.py
 	$(BIN)/python -m benchmarks.report --check

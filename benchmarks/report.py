@@ -746,6 +746,47 @@ def two_processes_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+PEERS_IN_BACKWARD = ("PyTorch tutorial hooks", "torchtune-style, one optimizer")  # update every parameter in the backward
+
+
+def _whole_step_row(m: dict, r: dict) -> str:
+    """One row of whole_step_table: what fits, the peaks, what updates in the backward, time and weights vs eager."""
+    budget = r["budget"] if r["budget"] in ("-", "none") else f"{r['budget']} ({r['budget_bytes'] / MIB:.2f} MiB)"
+    if r.get("infeasible"):
+        why = (f"no: lowest found {r['lowest_peak_bytes'] / MIB:.2f} MiB" if r["searched"]
+               else f"no: below the proven bound {r['lower_bound_bytes'] / MIB:.2f} MiB")
+        if r.get("no_plan_at_lowest"):
+            why += ", and none planned at it"
+        return f"| {m['model']} | {budget} | {r['method']} | {why} | | | | | |"
+    over = r["measured_peak_bytes"] - (r.get("budget_bytes") or 0)
+    fits = ("-" if r["budget"] in ("-", "none") else "yes" if r["fits"] else f"**no** (+{over / 1024:.1f} KiB)")
+    peak = f"{r['measured_peak_bytes'] / MIB:.2f} ({r['measured_peak_bytes'] / m['eager_peak_bytes']:.0%})"
+    predicted = f"{r['predicted_peak_bytes'] / MIB:.2f}" if "predicted_peak_bytes" in r else "-"
+    n = m["param_tensors"]
+    in_bwd = (f"{r['updates_in_backward']} of {n}" if "updates_in_backward" in r
+              else f"{n} of {n}" if r["method"] in PEERS_IN_BACKWARD else f"0 of {n}")
+    same = "-" if r.get("bitwise") is None else ("bitwise" if r["bitwise"] else "**differ**")
+    replanned = " (replanned)" if r.get("replanned") else ""
+    return (f"| {m['model']} | {budget} | {r['method']}{replanned} | {fits} | {peak} | {predicted} | {in_bwd} | "
+            f"{r['time_ratio']:.2f}x | {same} |")
+
+
+def whole_step_table(d: dict) -> str:
+    """benchmarks/whole_step.py: the training step with AdamW's update, eager, two in-backward recipes and optsched
+    (update after the backward, or "auto") at several budgets; measured and predicted peaks of the whole step."""
+    c = d["config"]
+    lines = [f"{c['optimizer']}, op costs measured on this CPU ({c['threads']} thread{'s' * (c['threads'] != 1)}, "
+             f"torch {c['torch']}), "
+             f"time_limit_s {c['time_limit_s']:g}. " + " ".join(
+                 f"{m['model']}: {m['description']}; {m['param_tensors']} parameter tensors, "
+                 f"{m['param_bytes'] / MIB:.2f} MiB; eager's peak {m['eager_peak_bytes'] / MIB:.2f} MiB."
+                 for m in d["models"]),
+             "", "| model | budget | method | fits | measured peak MiB (vs eager) | predicted MiB | updated in backward "
+             "| time vs eager | weights after 3 steps vs eager |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [_whole_step_row(m, r) for m in d["models"] for r in m["rows"]]
+    return "\n".join(lines)
+
+
 def _git_text(git: dict) -> str:
     """A run's commit: from its ``meta`` (benchmarks/meta.py: clean or dirty tree), or, for runs written before it,
     the git state they recorded (the commit and whether optsched/ and solvers/ differed from it)."""
@@ -1018,6 +1059,7 @@ TABLES = {
     "planning_time": ("planning_time.json", planning_time_table),
     "scaling_llama": ("scaling_llama.json", scaling_llama_table),
     "two_processes": ("two_processes.json", two_processes_table),
+    "whole_step": ("whole_step.json", whole_step_table),
     "chunking": ("chunking.json", chunking_table),
     "fsdp": ("fsdp_offline.json", fsdp_table),
     "gpu": ("gpu_check.json", gpu_table),

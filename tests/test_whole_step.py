@@ -19,21 +19,11 @@ from optsched.solvers import BudgetInfeasibleError
 CALLER_SLACK = 16 * 1024
 
 
-class LogitsGPT(gpt.GPT):
-    """The bundled GPT returning logits: the loss is computed outside the module."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device)))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
 def gpt_step(device_profile: str | None = "cpu", time_limit_s: float = 3, **optimize_args):
     """(the whole step, its model, optimizer and optimized module): 4 layers, width 256, batch 8, AdamW."""
     cfg = gpt.GPTConfig()
     torch.manual_seed(0)
-    model = LogitsGPT(cfg)
+    model = gpt.LogitsGPT(cfg)
     x, y = gpt.make_batch(cfg, batch_size=8)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     om = optsched.optimize(model, optimizer=opt, device_profile=device_profile, time_limit_s=time_limit_s,
@@ -105,11 +95,11 @@ def test_updates_in_the_backward_fit_where_the_update_after_it_cannot():
     scratch space (attention's backward) is in the prediction."""
     x, y = gpt.make_batch(gpt.GPTConfig(), batch_size=8)
     loss = lambda om: F.cross_entropy(om(x).flatten(0, 1), y.flatten())
-    bound = bound_after_backward(lambda: LogitsGPT(gpt.GPTConfig()), adamw, lambda om: loss(om).backward(), None)
+    bound = bound_after_backward(lambda: gpt.LogitsGPT(gpt.GPTConfig()), adamw, lambda om: loss(om).backward(), None)
     budget = bound - 1
     step, model, opt, om, batch = gpt_step(None, mem_budget=budget, time_limit_s=10)
     torch.manual_seed(0)
-    ref = LogitsGPT(gpt.GPTConfig())
+    ref = gpt.LogitsGPT(gpt.GPTConfig())
     ref_opt = adamw(ref)
     step()
     plan = om.plan

@@ -109,6 +109,16 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class LogitsGPT(GPT):
+    """The GPT returning logits: the loss is computed outside the module (as a user's loop with its own loss)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 def make_batch(
     cfg: GPTConfig, batch_size: int = 8, seq_len: int | None = None, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -473,17 +473,19 @@ def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None, count=None) -> 
     """An estimate of what the caller holds between our forward and backward while it computes a loss
     from non-scalar outputs it differentiates, besides the gradient it hands us: two intermediates of each
     one's size (cross-entropy keeps its log-softmax while its backward makes the gradient that goes into it;
-    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here.
+    a squared error, the difference and its gradient), and two scalars. A loss computed inside the model costs
+    nothing here.
     `count`: the bytes an allocation of n bytes takes (None: n)."""
     if usage is None or not jg.is_training:
         return 0
+    count = count if count is not None else (lambda n: n)
     total = 0
     for i, o in enumerate(jg.fw_outputs):
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
-            n = v.numel() * v.element_size()
-            total += 2 * (count(n) if count is not None else n)
-    return total
+            total += 2 * count(v.numel() * v.element_size())
+    # and two float32 scalars: the loss and its reduction's weight (cross-entropy's total_weight) or its seed
+    return total + 2 * count(4) if total else 0
 
 
 # --------------------------------------------------------------------------- the CUDA memory contract

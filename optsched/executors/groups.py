@@ -123,6 +123,12 @@ class CompiledGroup:
     workspace_bytes: int = 0
 
 
+def group_key(g: Group, measure: bool) -> str:
+    """What a compiled group is cached under: its structure, not node names (the same group in every layer compiles
+    and is timed once), and whether it was timed."""
+    return fingerprint(g.module)["hash"] + f"measured={measure}"
+
+
 def compile_groups(
     groups: list[Group], executor: Executor, device: torch.device, measure: bool,
     cache: dict[str, CompiledGroup] | None = None,
@@ -132,8 +138,7 @@ def compile_groups(
     cache = {} if cache is None else cache
     with unset_fake_temporarily():
         for g in groups:
-            # by structure, not node names: the same group in every layer compiles and is timed once
-            key = fingerprint(g.module)["hash"] + f"measured={measure}"
+            key = group_key(g, measure)
             if key not in cache:
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))

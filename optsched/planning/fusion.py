@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..capture.joint_graph import JointGraph
 from ..costs.problem_builder import Built
-from ..executors.groups import Group, build_group, compile_groups, horizontal_candidates, roofline_time
+from ..executors.groups import Group, build_group, compile_groups, group_key, horizontal_candidates, roofline_time
 from ..plans.plan import Plan
 from ..solvers import Problem, Schedule, default_schedule, simulate
 from ..solvers.model.problem import FusionOption, convexity_violation
@@ -33,6 +33,13 @@ class Fusion:
     def __init__(self, target: Target, named: bool):
         self.target = target
         self.named = named
+        # whether planning may compile another kernel (planning/timing.py: compiles stop once the work outside the
+        # search took its share of the time limit); a group not compiled stays unfused, a candidate unoffered
+        self.may_compile: Callable[[], bool] = lambda: True
+
+    def affordable(self, group: Group, compiled: dict) -> bool:
+        """Compiled already (this graph's same group), or the planning time left allows compiling it."""
+        return group_key(group, self.target.measure) in compiled or self.may_compile()
 
     def fusible(self, jg: JointGraph, nodes: list[fx.Node]) -> list[bool]:
         """Per op, whether the executor may put it in a group."""
@@ -73,7 +80,8 @@ class Fusion:
         problem, items = self.fuse(jg, built, groups, compiled)
         taken = {o for c in groups for o in c}
         cands = horizontal_candidates(built.problem, built.nodes, fusible, taken)
-        offered, options, notes = fusion_options(self.target, jg, built, problem, items, cands, compiled)
+        offered, options, notes = fusion_options(self.target, jg, built, problem, items, cands, compiled,
+                                                 lambda g: self.affordable(g, compiled))
         plan = solve(offered, graph_nodes, items, budget_bytes)
         plan.stats.notes += slower + notes
         if not options:
@@ -83,23 +91,30 @@ class Fusion:
 
     def faster_groups(self, jg: JointGraph, built: Built, groups: list[list[int]], compiled: dict,
                       ) -> tuple[list[list[int]], list[str]]:
-        """With the default executor (chosen for the device, not by the user), the groups whose fused kernel
-        runs faster than their ops one by one, when the target measures (a kernel that is slower, as a small
-        group's can be, stays unfused: its ops run as eager runs them); and a note on those left out. An
-        executor the user named, or roofline times, keep every group."""
+        """The groups to merge, each compiled (`compiled`) while the planning time allows (`affordable`): with the
+        default executor (chosen for the device, not by the user) and measured times, those whose fused kernel runs
+        faster than their ops one by one (a kernel that is slower, as a small group's can be, stays unfused: its
+        ops run as eager runs them); an executor the user named, or roofline times, keep every group compiled.
+        Notes on the groups left out."""
         t = self.target
-        if self.named or not t.measure or not groups:
-            return groups, []
-        kept, slower = [], []
+        compare = not self.named and t.measure
+        kept, slower, late = [], [], []
         for members in groups:
             group = build_group(jg, built.problem, members, built.nodes)
-            compile_groups([group], t.executor, t.device, True, compiled)
+            if not self.affordable(group, compiled):
+                late.append(members)
+                continue
+            compile_groups([group], t.executor, t.device, t.measure, compiled)
             one_by_one = sum(built.problem.ops[o].time_s for o in members)
-            (kept if group.time_s < one_by_one else slower).append(members)
-        if not slower:
-            return kept, []
-        return kept, [f"{len(slower)} fusion group(s) left unfused: their {t.executor.name} kernel measured no faster "
-                      f"than their ops one by one (e.g. {', '.join(built.nodes[o].name for o in slower[0][:4])})"]
+            (kept if not compare or group.time_s < one_by_one else slower).append(members)
+        notes = []
+        if slower:
+            notes.append(f"{len(slower)} fusion group(s) left unfused: their {t.executor.name} kernel measured no "
+                         f"faster than their ops one by one (e.g. {', '.join(built.nodes[o].name for o in slower[0][:4])})")
+        if late:
+            notes.append(f"{len(late)} fusion group(s) left unfused: compiling them would overrun the planning time "
+                         "limit (compiles stop once the work outside the search took its share)")
+        return kept, notes
 
     def merge_formed(self, jg: JointGraph, built: Built, groups: list[list[int]], plan: Plan, solved_items: list,
                      compiled: dict) -> tuple[Plan, list]:
@@ -132,10 +147,11 @@ class Fusion:
 
 def fusion_options(
     target: Target, jg: JointGraph, built: Built, problem: Problem, items: list, cands: list[list[int]], compiled: dict,
+    affordable: Callable[[Group], bool] = lambda g: True,
 ) -> tuple[Problem, list[list[int]], list[str]]:
     """`problem` offering each horizontal candidate (op ids of `built.problem`) as a fusion option, its
-    kernel compiled and timed like a group's; the candidates offered, in option order; notes on those
-    that cannot be offered."""
+    kernel compiled and timed like a group's while `affordable` (the planning time) allows; the candidates offered,
+    in option order; notes on those that cannot be offered."""
     op_of = op_ids(built, items)
     options, offered, notes = [], [], []
     for cand in cands:
@@ -145,6 +161,9 @@ def fusion_options(
             notes.append(f"{label}: rejected, not convex once the vertical groups are merged")
             continue
         group = build_group(jg, built.problem, cand, built.nodes)
+        if not affordable(group):
+            notes.append(f"{label}: not offered, compiling it would overrun the planning time limit")
+            continue
         compile_groups([group], target.executor, target.device, target.measure, compiled)
         time_s = group.time_s if target.measure else roofline_time(group, target.profile)
         options.append(FusionOption(tuple(members), time_s, group.workspace_bytes, label))

@@ -63,6 +63,11 @@ class PlanningTime:
         searched = 0.0 if self._search_start is None else clock.now() - self._search_start
         return max(0.0, limit - self.spent, MIN_SEARCH_SHARE * limit - searched)
 
+    def outside_search_left(self, limit: float) -> bool:
+        """Whether work outside the search (fusion groups compiled) may go on: it keeps to the share of the limit
+        the search does not (1 - MIN_SEARCH_SHARE). `limit`: this program's, before the first solve sets it."""
+        return self.spent < (1 - MIN_SEARCH_SHARE) * (self.limit or limit)
+
     def finish(self) -> None:
         units = clock.units_counted()
         self.taken = {"wall_s": time.perf_counter() - self._wall0, "clock_s": self.spent,

@@ -24,6 +24,7 @@ from .floors import Floors
 from .fusion import Fusion
 from .op_costs import CostsOf, chunked_costs, cost_notes
 from .program import ProgramKind, Planned
+from .timing import time_limit
 from .solving import ProgramSolver, droppable_outputs
 
 AUTO_FIRST_SHARE = 0.5  # chunking="auto": the share of the time limit the graph as captured gets (the counts the rest)
@@ -69,6 +70,8 @@ class Variants:
         reach = (lambda own: min(self.floors.chunk_floors(CHUNK_COUNTS[1:], own).values())) if chains and when_needed else None
         costs = self.costs = self.costs_of(self.gm, self.jg)
         built = self.build(self.jg, self.kind.value, costs)
+        limit = time_limit(self.settings.time_limit_s, len(built.problem.ops))
+        self.fusion.may_compile = lambda: self.time.outside_search_left(limit)
         if chains and not when_needed:
             planned = self.plan_chunked(built, costs, chains)
         else:

@@ -224,13 +224,11 @@ class Dispatcher:
         return entry
 
     def copy_spec(self) -> _CopySpec:
-        """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first).
-        Made with `optimizer=`, a copy plans without it and replays none of these plans: a copy has parameters of
-        its own (a deep copy, a pickle) that the optimizer does not hold, or shares them with the original, whose
-        optimizer updates them there."""
+        """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first);
+        made with `optimizer=`, without it or its plans (a copy's own parameters are not the optimizer's)."""
         if self.settings.optimizer is not None:
-            settings = dataclasses.replace(self.settings, optimizer=None, updates_in_backward="auto")
-            return _CopySpec(settings, self.resolution.copy(), ())
+            return _CopySpec(dataclasses.replace(self.settings, optimizer=None, updates_in_backward="auto"),
+                             self.resolution.copy(), ())
         texts = [
             json.dumps(seal(e.plan.to_file_data()), separators=(",", ":"))
             for e in reversed(self.entries.values()) if e.plan is not None and e.plan.fingerprint is not None

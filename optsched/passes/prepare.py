@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .batch_norm import drop_unread_running_stats
+from .causal_mask import causal_masks
 from .foreach_split import split_foreach as split_foreach_ops
 from .identity_clones import drop_identity_clones
 from .inplace import fold_copy_back
@@ -16,6 +17,7 @@ def prepare_training(joint: fx.GraphModule) -> None:
     """The joint (training) graph's passes, before `build_joint_graph`: drop what eager never keeps."""
     drop_identity_clones(joint)  # dropout(p=0), in-place activations' copies: eager returns the input
     drop_unread_running_stats(joint)  # BatchNorm's backward in training mode: eager saves the buffers
+    causal_masks(joint)  # a causal mask traced code builds (transformers without a cache): eager passes is_causal
 
 
 def prepare_inference(gm: fx.GraphModule, split_foreach: bool = False) -> None:

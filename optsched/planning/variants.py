@@ -57,8 +57,7 @@ class Variants:
         self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution,
                              measure=self.target.measure)
 
-    # a planner with something to try after the graph as captured fails (in_backward.py) gives the graph a share
-    more_after = False
+    more_after = False  # something to try where the graph as captured fails (in_backward.py): it gets a share
 
     def plan(self) -> Planned:
         """The program's plan: the graph as captured, or the chunk count chosen (see passes/chunking.py)."""
@@ -70,8 +69,7 @@ class Variants:
         reach = (lambda own: min(self.floors.chunk_floors(CHUNK_COUNTS[1:], own).values())) if chains and when_needed else None
         costs = self.costs = self.costs_of(self.gm, self.jg)
         built = self.build(self.jg, self.kind.value, costs)
-        limit = time_limit(self.settings.time_limit_s, len(built.problem.ops))
-        self.fusion.may_compile = lambda: self.time.outside_search_left(limit)
+        self.fusion.may_compile = lambda: self.time.outside_search_left(time_limit(self.settings.time_limit_s, len(built.problem.ops)))
         if chains and not when_needed:
             planned = self.plan_chunked(built, costs, chains)
         else:

@@ -412,9 +412,13 @@ def build_problem(
         nodes.append(node)
     ops, tensors = order_writes(jg, nodes, ops, tensors)
     ops, tensors = order_updates(ops, tensors)
-    caller = caller_loss_bytes(jg, usage, count=cuda.count if cuda is not None else None)
-    if caller:
-        tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False)]
+    if caller := caller_loss_bytes(jg, usage, count=count):
+        # its intermediates, until the backward starts; its loss value and the reduction's weight (cross-entropy's
+        # total_weight, or the seed the caller's backward makes), held by the caller to the step's end: counted
+        # from the start (an overcount of 2 scalars in the forward)
+        tensors = tensors + [Tensor(len(tensors), "caller_loss_estimate", caller, TensorKind.CALLER, offloadable=False),
+                             Tensor(len(tensors) + 1, "caller_loss_scalars", 2 * count(4), TensorKind.INPUT,
+                                    offloadable=False)]
     if cuda is not None:  # the cuBLAS workspaces: allocated once, kept; counted for the whole step
         tensors = tensors + [Tensor(len(tensors) + i, w.name, w.bytes, TensorKind.INPUT, offloadable=False)
                              for i, w in enumerate(cuda.workspaces(jg))]
@@ -473,8 +477,7 @@ def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None, count=None) -> 
     """An estimate of what the caller holds between our forward and backward while it computes a loss
     from non-scalar outputs it differentiates, besides the gradient it hands us: two intermediates of each
     one's size (cross-entropy keeps its log-softmax while its backward makes the gradient that goes into it;
-    a squared error, the difference and its gradient), and two scalars. A loss computed inside the model costs
-    nothing here.
+    a squared error, the difference and its gradient). A loss computed inside the model costs nothing here.
     `count`: the bytes an allocation of n bytes takes (None: n)."""
     if usage is None or not jg.is_training:
         return 0
@@ -484,8 +487,7 @@ def caller_loss_bytes(jg: JointGraph, usage: OutputUsage | None, count=None) -> 
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
         if i < len(usage.grad) and usage.grad[i] and isinstance(v, torch.Tensor) and v.dim() > 0:
             total += 2 * count(v.numel() * v.element_size())
-    # and two float32 scalars: the loss and its reduction's weight (cross-entropy's total_weight) or its seed
-    return total + 2 * count(4) if total else 0
+    return total
 
 
 # --------------------------------------------------------------------------- the CUDA memory contract

@@ -17,9 +17,9 @@ lr 1e-3): the bundled GPT returning logits (the loss outside the module) and a t
 
 Each row: whether the measured peak fits the budget, the allocator's peak of the whole step above nothing
 (parameters, the model's inputs and state held at its start, not the caller's targets, plus `measure_peak` of the
-step; taken on the third step, after 2 warm-up steps, so the state exists), optsched's predicted peak and how many parameters it updates in the backward,
-step time against eager's timed alternately (`measure_ratio`), and whether parameters after those 3 steps equal
-eager's, bitwise (every method starts from the same seed and batch).
+step; taken on the third step, after 2 warm-up steps, so the state exists), optsched's predicted peak and how
+many parameters it updates in the backward, step time against eager's timed alternately (`measure_ratio`), and
+whether parameters after those 3 steps equal eager's, bitwise (every method starts from the same seed and batch).
 
     python -m benchmarks.whole_step            # about 3 min on the 2-core machine (one thread)
 """

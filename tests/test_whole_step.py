@@ -224,3 +224,30 @@ def test_a_copy_plans_without_the_optimizer():
     assert not any(t.name.endswith("(optimizer state)") for t in twin.plan.problem.tensors)
     assert not any(op.writes for op in twin.plan.problem.ops)
     assert all(p.grad is not None for p in twin.parameters())
+
+
+def test_frozen_parameters_are_left_alone():
+    """A frozen layer (requires_grad False, still in the optimizer's groups) gets no update, no state and no update
+    node; the others are updated inside the backward as eager's opt.step() updates them."""
+    x = torch.randn(32, 64)
+    loss = lambda om: om(x).square().mean()
+
+    def frozen_mlp():
+        m = mlp()
+        m[0].requires_grad_(False)
+        return m
+
+    bound = bound_after_backward(frozen_mlp, adamw, lambda om: loss(om).backward())
+    model, ref = frozen_mlp(), frozen_mlp()
+    opt, ref_opt = adamw(model), adamw(ref)
+    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=2)
+    for _ in range(3):
+        loss(om).backward()
+        opt.step()
+        opt.zero_grad()
+        loss(ref).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert om.plan.updates_in_backward and not any(n.startswith("0.") for n in om.plan.updates_in_backward)
+    assert not opt.state[model[0].weight] and torch.equal(model[0].weight, ref[0].weight)
+    assert_same_training(model, opt, ref, ref_opt)

@@ -35,6 +35,7 @@ from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 
 TIME_LIMIT_S = 1.0
+INDUCTOR_TIME_LIMIT_S = 10.0  # six Inductor compiles within half of it
 COPY_ = torch.ops.aten.copy_.default
 
 
@@ -522,7 +523,9 @@ def test_adam_step(foreach, executor, monkeypatch):
     model, opt = _model(foreach)
     ref_model, ref_opt = _model(foreach)
     eager_model, eager_opt = _model(foreach)
-    step = optsched.optimize(step_fn(opt), None, time_limit_s=TIME_LIMIT_S, executor=executor)
+    # Inductor's compiles draw on the time limit (they stop where they would overrun it): a limit that holds them
+    limit = TIME_LIMIT_S if executor == "eager" else INDUCTOR_TIME_LIMIT_S
+    step = optsched.optimize(step_fn(opt), None, time_limit_s=limit, executor=executor)
     ref = torch.compile(step_fn(ref_opt), backend="eager", fullgraph=True)
     for _ in range(3):
         step()

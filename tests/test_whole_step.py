@@ -125,7 +125,7 @@ def test_updates_in_the_backward_peak_is_predicted():
     bound = bound_after_backward(mlp, adamw, lambda om: loss(om).backward(), None)
     model = mlp()
     opt = adamw(model)
-    om = optsched.optimize(model, bound - 1, optimizer=opt, time_limit_s=2)
+    om = optsched.optimize(model, bound - 1, optimizer=opt, time_limit_s=1)
     step = lambda: (loss(om).backward(), opt.step(), opt.zero_grad())
     step()
     plan = om.plan
@@ -161,7 +161,7 @@ def test_updates_in_the_backward_train_as_eager(make_opt):
     bound = bound_after_backward(mlp, make_opt, lambda om: loss(om, xs[0]).backward())
     model, ref = mlp(), mlp()
     opt, ref_opt = make_opt(model), make_opt(ref)
-    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=2)
+    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=1)
     sched, ref_sched = (torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref_opt))
     updates = optsched.optim.in_backward(opt)
     for _ in range(3):
@@ -240,7 +240,7 @@ def test_frozen_parameters_are_left_alone():
     bound = bound_after_backward(frozen_mlp, adamw, lambda om: loss(om).backward())
     model, ref = frozen_mlp(), frozen_mlp()
     opt, ref_opt = adamw(model), adamw(ref)
-    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=2)
+    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=1)
     for _ in range(3):
         loss(om).backward()
         opt.step()

@@ -251,3 +251,26 @@ def test_frozen_parameters_are_left_alone():
     assert om.plan.updates_in_backward and not any(n.startswith("0.") for n in om.plan.updates_in_backward)
     assert not opt.state[model[0].weight] and torch.equal(model[0].weight, ref[0].weight)
     assert_same_training(model, opt, ref, ref_opt)
+
+
+def test_a_backward_that_does_not_step_warns_where_its_gradients_overrun_the_budget():
+    """Plain SGD (no state, no temporaries): the step with the update after the backward peaks with every gradient
+    live, so a budget below its bound needs updates inside the backward. A micro-batch that does not step keeps its
+    gradients as eager does: its backward says it runs over the budget (OverBudgetWarning), and still accumulates
+    as eager's."""
+    x = torch.randn(32, 64)
+    loss = lambda om: om(x).square().mean()
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, foreach=False)
+    bound = bound_after_backward(mlp, sgd, lambda om: loss(om).backward())
+    model, ref = mlp(), mlp()
+    opt = sgd(model)
+    om = optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=1)
+    updates = optsched.optim.in_backward(opt)
+    updates.step_on_backward = False
+    with pytest.warns(optsched.optim.OverBudgetWarning, match="does not step"):
+        loss(om).backward()
+    assert om.plan.updates_in_backward
+    loss(ref).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    updates.step_on_backward = True

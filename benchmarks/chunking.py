@@ -58,6 +58,8 @@ def _plan_row(plan, budget_bytes: int | None) -> dict:
 def run_case(model, inputs, eager: dict, budget_bytes: int | None, chunking, time_limit_s: float, repeat: int,
              measure: bool = True, keep: list | None = None) -> dict:
     """Plan (and measure, when asked) one case; `keep` gets the optimized module, to measure later."""
+    for p in model.parameters():  # timed steps before leave gradients: a step starting with them is another program
+        p.grad = None
     t0 = time.perf_counter()
     try:
         opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s,

@@ -30,12 +30,14 @@ def run_optsched(
     model, inputs, eager, budget_bytes: int | None, time_limit_s: float, repeat: int, progress: bool = False,
     executor: str | None = None,
 ) -> dict:
+    for p in model.parameters():  # eager's timed steps leave gradients: a step starting with them is another program
+        p.grad = None
     t0 = time.perf_counter()
     opt = optsched.optimize(model, budget_bytes, example_inputs=inputs, time_limit_s=time_limit_s, progress=progress,
                             executor=executor)
     first_call_s = time.perf_counter() - t0
-    plan = opt.plan
     m = measure_training_step(opt, model, inputs)
+    plan = opt.plan  # the plan of the step just measured
     t, t_eager = measure_ratio(timed_step(opt, model, inputs), timed_step(model, model, inputs), repeat=repeat)
     s = plan.summary()
     return {

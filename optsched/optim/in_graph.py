@@ -28,7 +28,8 @@ import torch.fx as fx
 from .updates import InBackwardUpdates
 
 # memory passes of an update per parameter byte (reads and writes of the parameter, its gradient and state),
-# for its roofline time: Adam/AdamW read p, g, m, v and write p, m, v; SGD with momentum 5; without it 3
+# for its roofline time: Adam/AdamW read p, g, m, v and write p, m, v; SGD is counted with momentum (reads p, g,
+# buf, writes p, buf) whether it has one or not (3 without: an overcount)
 PASSES = {"Adam": 7, "AdamW": 7, "SGD": 5}
 KERNELS = 6  # kernel launches per update call (foreach or not: a few elementwise kernels)
 

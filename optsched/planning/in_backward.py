@@ -43,8 +43,8 @@ class WholeStepVariants(Variants):
         bytes the step with the update after the backward could not meet (`after`). Its budgets and ratios refer
         to that step's unplanned peak (eager's `loss.backward(); opt.step()`). When it does not fit either, the
         error's bound is the lower of the two (a bound for every plan of both)."""
-        costs = self.costs if self.costs is not None else self.costs_of(self.gm, self.jg)
-        plain = self.build(self.jg, self.kind.value, costs)
+        costs = self.costs if self.costs is not None else self.costs_of(self.gm, self.jg)  # None: floors refused it
+        plain = self.captured if self.captured is not None else self.build(self.jg, self.kind.value, costs)
         built = self.build(jg, self.kind.value, costs)
         self.time.share = 1.0
         try:

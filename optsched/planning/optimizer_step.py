@@ -2,9 +2,9 @@
 
 Its state is on the device the whole step from the first one on (torch creates it lazily at the first
 `opt.step()`, which a plan must already fit): each state tensor is a constant of the problem, as the module's
-state the program does not read is. The update after the backward (the user's `opt.step()`) holds what the
-step ends with (parameters, gradients, state, kept outputs) plus the update's temporaries, which foreach
-kernels make for a whole list at once: measured once on small CPU replicas, then checked against the budget.
+state the program does not read is. The update is a node of the graph (`WholeStep`, optim/in_graph.py): after
+the backward (the user's `opt.step()`: it holds what the step ends with plus the update's temporaries, which
+foreach kernels make for a whole list at once, measured once on small CPU replicas) or, per parameter, inside it.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class WholeStep:
                  names: dict[int, str]):
         self.optimizer, self.updates = optimizer, updates
         mine = {id(p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        # primal index -> parameter (only ids: the batch's tensors are not kept alive by the plan)
+        # primal index -> parameter (the parameters only: the batch's tensors are not kept alive by the plan)
         self.params = {i: v for i, v in enumerate(inputs) if isinstance(v, torch.Tensor) and id(v) in mine}
         self.names = {i: names.get(id(p), f"parameter {i}") for i, p in self.params.items()}
         self.passes = PASSES[type(optimizer).__name__]
@@ -156,8 +156,8 @@ def warn_when_not_stepping(plan, items: list, budget_bytes: int | None) -> int:
                if isinstance(item, fx.Node) and is_update(item) and item.target.in_backward]
     kept_grads = {t for o, _ in updates for t in problem.ops[o].inputs
                   if problem.tensors[t].kind is TensorKind.ACTIVATION and t not in problem.ops[o].writes}
-    ops = [dataclasses.replace(op, workspace_bytes=0) if any(o == op.id for o, _ in updates) else op
-           for op in problem.ops]
+    updated = {o for o, _ in updates}
+    ops = [dataclasses.replace(op, workspace_bytes=0) if op.id in updated else op for op in problem.ops]
     peak = simulate(dataclasses.replace(problem, ops=ops, outputs=problem.outputs | kept_grads), plan.schedule).peak_bytes
     warning = None
     if budget_bytes is not None and peak > budget_bytes:

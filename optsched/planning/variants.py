@@ -52,10 +52,10 @@ class Variants:
                  resident: list[tuple[str, int]]):
         self.gm, self.jg, self.kind, self.usage, self.observed_usage = gm, jg, kind, usage, observed_usage
         self.costs: NodeCosts | None = None  # the op costs of `gm`, once measured
+        self.captured: Built | None = None  # the problem of `gm` as captured, once built
         self.solver, self.fusion, self.costs_of, self.resident = solver, fusion, costs_of, resident
         self.settings, self.target, self.resolution, self.time = solver.settings, solver.target, solver.resolution, solver.time
-        self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution,
-                             measure=self.target.measure)
+        self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution, measure=self.target.measure)
 
     more_after = False  # something to try where the graph as captured fails (in_backward.py): it gets a share
 
@@ -68,7 +68,7 @@ class Variants:
         # "auto": the captured graph's own share is provably out of reach only where no chunk count reaches it either
         reach = (lambda own: min(self.floors.chunk_floors(CHUNK_COUNTS[1:], own).values())) if chains and when_needed else None
         costs = self.costs = self.costs_of(self.gm, self.jg)
-        built = self.build(self.jg, self.kind.value, costs)
+        built = self.captured = self.build(self.jg, self.kind.value, costs)
         self.fusion.may_compile = lambda: self.time.outside_search_left(time_limit(self.settings.time_limit_s, len(built.problem.ops)))
         if chains and not when_needed:
             planned = self.plan_chunked(built, costs, chains)

@@ -71,6 +71,7 @@ def test_ddp_one_plan_same_gradients_peak_within_budget():
     assert r0["mismatch"] == r1["mismatch"] and "ranks planned different programs" in r0["mismatch"]
 
 
+@pytest.mark.slow  # 28 s; DDP's planned step stays in the default run
 def test_fsdp2_blocks_planned_same_gradients_and_shards_peak_within_budget():
     r0, r1 = _run("fsdp")
     for r in (r0, r1):

@@ -85,6 +85,7 @@ def test_every_length_of_an_ascending_loop_plans_within_its_own_share(ascending)
     assert any(plans[seq].sim.recomputed_ops for seq in LENGTHS)  # the budgets bind: planning, not eager
 
 
+@pytest.mark.slow  # 10 s
 def test_a_descending_loop_gets_the_same_budgets_and_replays_the_ascending_plans(ascending):
     """The order the shapes come in does not matter: each length's budget is the same, so the plan cache
     (keyed by what the percentage was resolved against) gives back the plans the ascending loop saved."""

@@ -51,7 +51,7 @@ def _step(model):
     return lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss
 
 
-@pytest.mark.parametrize("profile", [None, "cpu"], ids=["measured", "roofline"])
+@pytest.mark.parametrize("profile", [pytest.param(None, marks=pytest.mark.slow), "cpu"], ids=["measured", "roofline"])
 @pytest.mark.parametrize("build", [_albert, _bart], ids=["albert", "bart"])
 def test_no_budget_never_above_eager(build, profile):
     torch.manual_seed(0)

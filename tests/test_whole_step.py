@@ -274,3 +274,80 @@ def test_a_backward_that_does_not_step_warns_where_its_gradients_overrun_the_bud
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
     updates.step_on_backward = True
+
+
+def scaled_clipped_training(model, opt, scaler, call, steps: int = 3, micro: int = 4) -> list[float]:
+    """`steps` optimizer steps of `micro` micro-batches each through `call` (the module), a GradScaler (the first
+    step's first micro-batch overflows: the scaler skips that step), clipping by global norm after unscaling, and
+    an LR scheduler; returns the norms clip_grad_norm_ saw."""
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    norms = []
+    for step in range(steps):
+        for i in range(micro):
+            x = torch.randn(32, 64, generator=torch.Generator().manual_seed(10 * step + i))
+            if step == 0 and i == 0:
+                x = x * 1e30  # inf loss: a step the scaler must skip
+            scaler.scale(call(x).square().mean() / micro).backward()
+        scaler.unscale_(opt)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        sched.step()
+    return norms
+
+
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+def test_clipping_and_a_grad_scaler_train_as_eager():
+    """A budget the step with the update after the backward meets (this MLP's step peaks at its update: its own
+    unplanned peak is its bound): with gradient accumulation, a GradScaler that
+    skips an overflowing step, clipping by global norm and an LR scheduler, weights and state after 3 optimizer
+    steps equal eager's, bitwise (clipping active on every step taken, one step skipped)."""
+    model, ref = mlp(), mlp()
+    opt, ref_opt = adamw(model), adamw(ref)
+    om = optsched.optimize(model, "100%", optimizer=opt, device_profile="cpu", time_limit_s=2)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16), torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    norms = scaled_clipped_training(model, opt, scaler, om)
+    ref_norms = scaled_clipped_training(ref, ref_opt, ref_scaler, ref)
+    assert om.plan.updates_in_backward == []
+    assert scaler.get_scale() == ref_scaler.get_scale() < 2.0**16  # the overflow was seen and skipped
+    assert norms == ref_norms and all(n > 0.05 for n in norms[1:])  # clipping cut every step taken
+    assert_same_training(model, opt, ref, ref_opt)
+    assert not torch.equal(next(model.parameters()), next(mlp().parameters()))  # it trained
+
+
+def in_backward_mlp():
+    """(model, optimizer, optimized module) at a budget below every plan with the update after the backward."""
+    x = torch.randn(32, 64)
+    bound = bound_after_backward(mlp, adamw, lambda om: om(x).square().mean().backward())
+    model = mlp()
+    opt = adamw(model)
+    return model, opt, optsched.optimize(model, bound - 1, optimizer=opt, device_profile="cpu", time_limit_s=1)
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+def test_clipping_after_updates_in_the_backward_is_refused(clip):
+    """Clipping gradients the backward already applied (and freed) would clip nothing, silently: it raises."""
+    model, opt, om = in_backward_mlp()
+    om(torch.randn(32, 64)).square().mean().backward()
+    assert om.plan.updates_in_backward
+    with pytest.raises(RuntimeError, match=f"{clip}.*updates_in_backward=False"):
+        getattr(torch.nn.utils, clip)(model.parameters(), 0.05)
+    opt.step()  # the step ends; another backward and no clipping train on
+    om(torch.randn(32, 64)).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_([], 0.05)
+
+
+def test_a_grad_scaler_with_updates_in_the_backward_is_refused_before_any_update():
+    """An enabled GradScaler may skip the step, known only after the backward: no parameter is updated in it."""
+    model, opt, om = in_backward_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="GradScaler.*updates_in_backward=False"):
+        scaler.scale(om(torch.randn(32, 64)).square().mean()).backward()
+    assert om.plan.updates_in_backward
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not opt.state
+    del scaler  # a scaler no longer alive refuses nothing
+    om(torch.randn(32, 64)).square().mean().backward()
+    assert opt.state

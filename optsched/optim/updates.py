@@ -23,6 +23,9 @@ from types import TracebackType
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from .guards import install as install_guards
+from .guards import scaler_in_use, track, untrack
+
 # Optimizers whose update of a parameter reads only that parameter, its gradient, its state and its group's
 # hyper-parameters (so a view with fewer parameters computes the same values), and whose state `state_sizes`
 # knows. Exact types: a subclass may add state or read other parameters.
@@ -53,6 +56,8 @@ class InBackwardUpdates:
     - `grad_scaler`: an enabled `GradScaler` skips the whole step when any gradient is inf/NaN, known only
       after the backward, and its gradients are still scaled in the backward: refused, so that an update the
       scaler would skip is never applied.
+    Both are also caught when not declared (guards.py): `apply` raises before updating once an enabled GradScaler
+    scaled a loss, and the clipping functions raise on a parameter updated here since the last step.
     - gradient accumulation: set `step_on_backward = False` for the backward calls of micro-batches that do
       not step; `apply` then keeps the gradient (autograd sums the next micro-batch into it), and updates with
       the summed gradient on the backward where `step_on_backward` is True.
@@ -92,9 +97,12 @@ class InBackwardUpdates:
         # the step function without the optimizer's step hooks: the user's hooks (and ours) belong to opt.step()
         step = type(optimizer).step
         self._step = step.__wrapped__ if getattr(step, "hooked", False) else step
-        self._updated: set[int] = set()  # id(parameter) of those updated since the last opt.step()
+        self.updated: set[int] = set()  # id(parameter) of those updated since the last opt.step()
         self._lock = threading.Lock()  # the autograd engine may call hooks from one thread per device
-        self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self._updated.clear())
+        self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.updated.clear())
+        if self._group_of:  # what the user's loop does after the backward: a GradScaler, clipping (guards.py)
+            install_guards()
+            track(self)
 
     def apply(self, params: torch.Tensor | Iterable[torch.Tensor]) -> None:
         """Update `params` (one tensor, or several in one optimizer step) from their gradients now and free
@@ -108,7 +116,7 @@ class InBackwardUpdates:
             for p in params:
                 if id(p) not in self._group_of:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} was not given for updates in the backward")
-                if id(p) in self._updated:
+                if id(p) in self.updated:
                     raise RuntimeError(
                         "a parameter updated in the backward got a gradient again before opt.step(): with gradient "
                         "accumulation, set step_on_backward = False on the micro-batches that do not step")
@@ -116,6 +124,8 @@ class InBackwardUpdates:
                     views.setdefault(self._group_of[id(p)], []).append(p)
             if not views:
                 return
+            if why := scaler_in_use():
+                raise RuntimeError(why)
             groups = self.optimizer.param_groups
             self.optimizer.param_groups = [{**groups[i], "params": ps} for i, ps in sorted(views.items())]
             try:
@@ -125,11 +135,12 @@ class InBackwardUpdates:
             for ps in views.values():
                 for p in ps:
                     p.grad = None
-                    self._updated.add(id(p))
+                    self.updated.add(id(p))
 
     def close(self) -> None:
         """Remove the step hook: the optimizer is left as it was before."""
         self._handle.remove()
+        untrack(self)
 
     def __enter__(self) -> InBackwardUpdates:
         return self

@@ -62,8 +62,8 @@ class WholeStepVariants(Variants):
         plan.stats.notes.append(
             f"the optimizer updates {len(plan.updates_in_backward)} parameter(s) inside the backward, each as soon as its "
             f"gradient is final, which frees it: with the update after the backward, {after_figures(after)}, "
-            f"over {mib(after.budget_bytes)}. If you clip gradients by their global norm or use a GradScaler, pass "
-            "updates_in_backward=False")
+            f"over {mib(after.budget_bytes)}. Clipping gradients or an enabled GradScaler then raise (they would see "
+            "gradients already applied): pass updates_in_backward=False with them")
         kept = warn_when_not_stepping(plan, items, plan.budget_bytes)
         plan.stats.notes.append(f"a backward that does not step (step_on_backward=False, accumulating) keeps its "
                                 f"gradients to its end: peak {mib(kept)}")

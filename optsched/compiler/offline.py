@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
-from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, default_partition, tree_leaves
+from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, tree_leaves
 
 from ..passes.prepare import prepare_inference, prepare_training
 from ..planning import Planner, ProgramKind, Target
@@ -118,11 +118,10 @@ def _attention_time(node: fx.Node, stands_for: tuple[str, int], profile: DeviceP
 class OfflineBackend(PlanningBackend):
     """PlanningBackend that plans and lowers nothing: roofline times of a named profile.
 
-    Its compile hooks plan as PlanningBackend's do, then let AOTAutograd finish with programs that
-    never run (torch's default partition, compilers returning `_not_lowered`) rather than stopping it
-    with an exception: the hooks keep `CompileHooks`' contract, and nothing from inside AOTAutograd
-    has to be caught. The price is that default partition, about 0.1 s on a 4-layer 8192-wide
-    model and 1.4 s on GPT-2 large (36 layers, 8 x 1024 tokens), after `plan_s` is taken.
+    Its compile hooks plan as PlanningBackend's do. The training hook (`partition`) then ends AOTAutograd's
+    compile with `_Planned`, which `_capture` catches: letting it finish (torch's default partition, then
+    compilers returning `_not_lowered`) built programs nobody runs, 1.4 s on GPT-2 large (36 layers, 8 x
+    1024 tokens) and 3 s on 80 Llama-7B layers. The forward-only hook returns `_not_lowered` (little follows).
 
     `PlanningBackend.__call__` (the torch.compile entry) makes its planner's target from the example
     inputs' device; here the target comes from the profile alone, and AOTAutograd is called by
@@ -162,19 +161,18 @@ class OfflineBackend(PlanningBackend):
         return NodeCosts(times, {}, {}) if times else None
 
     # ---- the compile hooks (compiler.backend.CompileHooks). The plan is made in `partition` (training)
-    # or `compile_inference` (forward only), as PlanningBackend makes it; nothing is lowered. AOTAutograd
-    # then finishes its compile as usual: `partition` returns torch's default split of the joint graph,
-    # and every compiler returns `_not_lowered`, which nobody calls (capture_offline drops what
-    # AOTAutograd returns).
+    # or `compile_inference` (forward only), as PlanningBackend makes it; nothing is lowered. `partition`
+    # ends AOTAutograd's compile (`_Planned`); a forward-only compile finishes with `_not_lowered`, which
+    # nobody calls (capture_offline drops what AOTAutograd returns).
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-        """Plan the training step; return AOTAutograd's default partition, never run."""
+        """Plan the training step, then end the compile (`_Planned`): nothing is partitioned or run."""
         self._captured(joint)
         prepare_training(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
         self.planner.plan(joint, jg, ProgramKind.TRAINING, self._training_usage(joint, jg)[0])  # optimize()'s first guess
         self._done()
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        raise _Planned  # AOTAutograd's own partition and compiles would be dropped unrun (3 s at 80 Llama layers)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs):
         return _not_lowered
@@ -328,6 +326,10 @@ def capture_offline(model_factory: Callable[[], torch.nn.Module], inputs_factory
         _capture(model_factory, inputs_factory, backend)
 
 
+class _Planned(Exception):  # noqa: N818 (not an error: the capture's planned end)
+    """Raised by `OfflineBackend.partition` once the training step is planned, to end AOTAutograd's compile."""
+
+
 def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -353,7 +355,7 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
     attention = CudaAttention(profile) if profile.device_type == "cuda" else contextlib.nullcontext()
     with mode, torch.enable_grad(), compiling():
         flat, slots = _dynamo_order(module, inputs)
-        with attention:
+        with attention, contextlib.suppress(_Planned):
             aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(backend))  # never run
     if not backend.planned:  # pragma: no cover
         raise RuntimeError("AOTAutograd returned without calling the planner")

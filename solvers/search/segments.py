@@ -265,6 +265,24 @@ def map_fusion(problem: Problem, fusion: dict[int, bool] | None, old_index: dict
     return out
 
 
+def _runs_at(steps: list, run: list, start: int):
+    """Where `run` occurs in `steps` at or after `start`, first to last (found from its first step by
+    `list.index`, not a slice compared at every position)."""
+    last = len(steps) - len(run)
+    if not run:
+        yield from range(start, last + 1)
+        return
+    k = start
+    while k <= last:
+        try:
+            k = steps.index(run[0], k, last + 1)
+        except ValueError:
+            return
+        if steps[k:k + len(run)] == run:
+            yield k
+        k += 1
+
+
 def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads=None, *,
                 fusion: dict[int, bool] | None = None) -> Schedule | None:
     """The plan with the run of steps `old` (found in its backward) replaced by `new`; `offloads`:
@@ -272,8 +290,7 @@ def replace_run(problem: Problem, sim: SimResult, old: list, new: list, offloads
     fusion options decided anew (see `splice`)."""
     n_fw = sim.n_forward_steps
     steps = sim.steps
-    for k in range(n_fw, len(steps) - len(old) + 1):
-        if steps[k:k + len(old)] == old:
+    for k in _runs_at(steps, old, n_fw):
             bw = steps[n_fw:k] + new + steps[k + len(old):]
             if len(set(bw)) != len(bw):
                 return None

@@ -286,3 +286,71 @@ def test_solve_freezes_the_callers_heap_only_while_it_runs_and_never_unfreezes_t
     finally:
         gc.unfreeze()
     assert len(kept) == 10_000
+
+
+def _chain_with_a_gradient_only_step(n_layers: int = 5, nbytes: int = 64 * KIB) -> Problem:
+    """A chain whose layers' backward each run a step reading no forward value (`scale_bw<i>`: the incoming gradient
+    and a weight), after the step that reads the layer's activation: `segments` keeps it in the layer's run only
+    while a step reading the layer's values runs before it."""
+    from optsched.solvers.model.problem import Op, Phase, Tensor, TensorKind
+
+    ops, tensors = [], []
+
+    def tensor(name, kind=TensorKind.INPUT, producer=None, size=nbytes):
+        tensors.append(Tensor(len(tensors), name, size, kind, producer))
+        return len(tensors) - 1
+
+    def op(name, phase, inputs, time_s=1e-4):
+        out = tensor(f"{name}.0", TensorKind.ACTIVATION, len(ops))
+        ops.append(Op(len(ops), name, phase, tuple(inputs), (out,), time_s))
+        return out
+
+    h, weights, acts = tensor("x"), [tensor(f"w{i}", size=nbytes // 4) for i in range(n_layers)], []
+    for i in range(n_layers):
+        m = op(f"mm{i}", Phase.FW, [h, weights[i]], 1e-3)
+        acts.append((h, m))
+        h = op(f"act{i}", Phase.FW, [m])
+    loss = op("loss", Phase.FW, [h])
+    g = op("loss_bw", Phase.BW, [tensor("tangent", TensorKind.TANGENT, size=4), h])
+    grads = []
+    for i in reversed(range(n_layers)):
+        h_in, m = acts[i]
+        gm = op(f"act_bw{i}", Phase.BW, [g, m])
+        scaled = op(f"scale_bw{i}", Phase.BW, [g, weights[i]])
+        grads.append(op(f"mm_bw_w{i}", Phase.BW, [gm, h_in], 1e-3))
+        g = op(f"mm_bw_x{i}", Phase.BW, [gm, scaled], 1e-3)
+    return Problem(ops, tensors, outputs=frozenset([loss, *grads]))
+
+
+def test_a_replanned_block_reaches_its_siblings_when_a_step_moves_to_its_start():
+    """Every block recomputes its matmul; block g's segment is replanned to save it instead (faster), with its
+    gradient-only step moved to the segment's start, where `segments` no longer counts it in g's run. The copy to
+    the other blocks takes the run spliced in: the siblings save their matmul too, and no copy is refused for a
+    step it lost (each was, when the copy took g's run as found again in the new plan)."""
+    from optsched.solvers.model.problem import collecting_rejections
+    from optsched.solvers.search.segments import _copy_to_siblings, splice
+
+    p = _chain_with_a_gradient_only_step()
+    fw = [o.id for o in p.fw_ops]
+    matmuls = {o.id for o in p.fw_ops if o.name.startswith("mm")}
+    start = place_recomputes(p, fw, [o.id for o in p.bw_ops], matmuls)
+    sim = simulate(p, start)
+    groups = find_blocks(p, fw)
+    a, b, g = next(s for s in segments(p, sim, groups) if s[2] in groups.block_set and s[2] != groups.blocks[-1])
+    old = sim.steps[a:b]
+    assert any(p.ops[o].name.startswith("scale") for o, _ in old[1:])  # in g's run, after a step reading g's values
+    kept = [s for s in old if not s[1]]  # the matmul saved, not recomputed
+    scale = next(s for s in kept if p.ops[s[0]].name.startswith("scale"))
+    solved = [scale] + [s for s in kept if s != scale]
+    changed = splice(p, sim, a, b, solved)
+    csim = simulate(p, changed)
+    assert csim.time_s < sim.time_s
+    assert not any(s[2] == g and s[0] <= a < s[1] and scale in csim.steps[s[0]:s[1]] for s in segments(p, csim, groups))
+    with collecting_rejections() as rejected:
+        sched, out = _copy_to_siblings(p, groups, changed, csim, g, old, solved, None)
+    assert not rejected.notes()
+    siblings = [h for h in groups.blocks if h != g]
+    saving = [h for h in siblings if not any(o in groups.members[h] for o, rc in out.steps if rc)]
+    # all but the block whose run took in g's moved step (its run's shape is not g's any more): it keeps its own
+    assert len(saving) == len(siblings) - 1, saving
+    assert out.time_s < csim.time_s

@@ -674,3 +674,32 @@ def test_a_mistyped_field_names_its_path_and_types(full_plan, tmp_path, keys, va
     _path, data = full_plan
     with pytest.raises(optsched.PlanFileError, match=re.escape(message)):
         optsched.load_plan(_resealed(_with(data, keys, value), tmp_path / "bad.json"))
+
+
+class _WithUnusedState(torch.nn.Module):
+    """Two layers the program runs and one it never reads (a pooler or head left out of this task): its 1 MiB is on
+    the device all step, and each plan counts it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(512, 512)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_plan_counting_state_the_program_does_not_read_is_replayed_from_its_file(tmp_path):
+    """The replay rebuilds the problem with the module's unread state, as the plan was made: the same peak, loaded
+    from the file (without it the replay's peak was 1 MiB lower than the file's, and the file was refused)."""
+    path = tmp_path / "plan.json"
+    x = torch.randn(2048, 256)
+    plans = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        om = optsched.optimize(_WithUnusedState(), "90%", plan=path, time_limit_s=1, device_profile="cpu")
+        om(x).square().mean().backward()
+        plans.append(om.plan)
+    made, replayed = plans
+    assert any("module state the program does not read" in t.name for t in made.problem.tensors)
+    assert any(n.startswith("loaded from") for n in replayed.stats.notes)
+    assert replayed.predicted_peak_bytes == made.predicted_peak_bytes

@@ -136,7 +136,7 @@ class Planner:
                   usage: OutputUsage | None) -> Planned:
         if (executor := self.files.file_executor(found.pf, self.target)) is not None:  # the one that formed its groups
             self.target = dataclasses.replace(self.target, executor=get_executor(executor, self.target.device))
-        planned = replay(found.pf, gm, jg, kind, usage, self.target, self._fusion())
+        planned = replay(found.pf, gm, jg, kind, usage, self.target, self._fusion(), self.resident)
         self._record_budget(planned.plan, fp, planned.items, found.lent_record, None)
         self.on_plan(planned.plan)
         return planned

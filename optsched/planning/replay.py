@@ -101,7 +101,7 @@ class PlanFiles:
 
 
 def replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
-           target: Target, fusion: Fusion) -> Planned:
+           target: Target, fusion: Fusion, resident: list[tuple[str, int]] = ()) -> Planned:
     """`pf`'s plan on this graph, or on a chunked copy of it when the plan was made for the chunked graph (then that
     copy is what to lower); its groups compiled, not timed (the file's costs replace the times)."""
     chunks = pf.data.get("summary", {}).get("chunks") or {}
@@ -110,6 +110,7 @@ def replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, 
         chunk(gm, chunks)
         jg = build_joint_graph(gm, jg.num_fwd_outputs)
     plan, items = plan_from_file(jg, gm, pf, kind.value, usage, profile=target.profile, offload=target.offload,
-                                 fuse=lambda built, groups: fusion.fuse(jg, built, groups, measure=False))
+                                 fuse=lambda built, groups: fusion.fuse(jg, built, groups, measure=False),
+                                 resident=resident)
     plan.chunks = dict(chunks)
     return Planned(plan, items, jg)

@@ -10,7 +10,7 @@ the recorded one, is refused, never run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..costs.problem_builder import Built, build_problem
@@ -29,15 +29,18 @@ if TYPE_CHECKING:
 def plan_from_file(
     jg: JointGraph, gm: fx.GraphModule, pf: PlanFile, name: str, usage: OutputUsage | None = None, *,
     profile: DeviceProfile, offload: bool, fuse: Callable[[Built, list[list[int]]], tuple[Problem, list]],
+    resident: Sequence[tuple[str, int]] = (),
 ) -> tuple[Plan, list]:
     """The plan `pf` records, for graph `gm` (its joint graph `jg`). `fuse(built, groups)`: the problem
     with those fusion groups merged and, per op, its node or group (compiled, not timed: the file's
-    costs replace the times)."""
+    costs replace the times). `resident`: what is on the device all step though the program reads none of it
+    (build_problem's), as the plan was made with: without it a module with state its program does not read
+    replayed to another peak than its file's, and was refused."""
     d, where = pf.data, str(pf.path)
     made_for, decisions = d["made_for"], d["decisions"]
     built = build_problem(
         jg, profile, name=name, offload=offload, host_budget_bytes=made_for.get("host_budget_bytes"), usage=usage,
-        grads_at_start=bool(made_for.get("grads_at_start", False)),
+        grads_at_start=bool(made_for.get("grads_at_start", False)), resident=resident,
     )
     node_id = {n.name: i for i, n in enumerate(built.nodes)}
     try:

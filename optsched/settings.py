@@ -47,8 +47,6 @@ class PlanningSettings:
             check_supported(self.optimizer, "planning the whole step with optimizer= (pass none to plan without it)")
         if self.updates_in_backward is False and self.optimizer is None:
             raise ValueError("updates_in_backward=False says how to plan an optimizer's update: pass optimizer= too")
-        if self.optimizer is not None and self.plan is not None:  # a replay would rebuild the step without the state
-            raise ValueError("plan files do not record an optimizer's state yet: pass optimizer= or plan=, not both")
 
     @property
     def updates(self) -> Any:

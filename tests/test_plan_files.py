@@ -536,7 +536,7 @@ MAY_BE_MISSING = {
     "summary.budget_from", "summary.budget_reference_peak_bytes", "summary.output_usage", "summary.bound_valid_for",
     "summary.chunks",  # written since issue 16 (chunking)
     "made_for.grads_at_start", "summary.grads_at_start",  # written since issue 24 (accumulation)
-    "summary.updates_in_backward",  # written since issue 36 (the optimizer's update planned)
+    "summary.updates_in_backward", "made_for.optimizer",  # written since issue 36 (the optimizer's update planned)
     "timeline.unplanned_steps_per_point", "timeline.unplanned_n_steps", "timeline.unplanned_n_forward_steps",
 }
 NAME_KEYED = {"costs", "decisions.offload"}  # objects keyed by op or tensor names, not by field names

@@ -200,8 +200,6 @@ def test_options_are_checked_at_optimize():
         optsched.optimize(model, optimizer=[torch.optim.SGD(model.parameters())])
     with pytest.raises(NotImplementedError, match="RMSprop.*SGD, Adam, AdamW"):
         optsched.optimize(model, optimizer=torch.optim.RMSprop(model.parameters()))
-    with pytest.raises(ValueError, match="optimizer= or plan=, not both"):  # a replay would not count the state
-        optsched.optimize(model, optimizer=torch.optim.SGD(model.parameters()), plan="auto")
     with pytest.raises(ValueError, match="updates_in_backward must be 'auto' or False, got True"):
         optsched.optimize(model, optimizer=torch.optim.SGD(model.parameters()), updates_in_backward=True)
     with pytest.raises(ValueError, match="pass optimizer= too"):
@@ -351,3 +349,49 @@ def test_a_grad_scaler_with_updates_in_the_backward_is_refused_before_any_update
     del scaler  # a scaler no longer alive refuses nothing
     om(torch.randn(32, 64)).square().mean().backward()
     assert opt.state
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["updates-in-backward", "update-after-backward"])
+def test_a_whole_step_plan_file_is_replayed_and_trains_as_eager(tmp_path, inside):
+    """optimize(..., optimizer=opt, plan=PATH): the plan file records the optimizer it counted; a fresh model and
+    optimizer replay it (loaded, not solved: the same peak, the same parameters updated inside the backward), and
+    3 steps of it train as eager does, bitwise."""
+    x = torch.randn(32, 64)
+    loss = lambda om: om(x).square().mean()
+    budget = bound_after_backward(mlp, adamw, lambda om: loss(om).backward()) - 1 if inside else "100%"
+    path = tmp_path / "step.json"
+    plans, models = [], []
+    for _ in range(2):
+        model = mlp()
+        opt = adamw(model)
+        om = optsched.optimize(model, budget, optimizer=opt, plan=path, device_profile="cpu", time_limit_s=1)
+        for _ in range(3):
+            loss(om).backward()
+            opt.step()
+            opt.zero_grad()
+        plans.append(om.plan)
+        models.append((model, opt))
+    made, replayed = plans
+    assert bool(made.updates_in_backward) is inside and replayed.updates_in_backward == made.updates_in_backward
+    assert made.optimizer == replayed.optimizer == optsched.optim.describe(models[1][1])
+    assert any(n.startswith("loaded from") for n in replayed.stats.notes)
+    assert replayed.predicted_peak_bytes == made.predicted_peak_bytes
+    ref = mlp()
+    ref_opt = adamw(ref)
+    for _ in range(3):
+        loss(ref).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for model, opt in models:
+        assert_same_training(model, opt, ref, ref_opt)
+
+
+def test_a_plan_file_made_without_the_optimizer_is_not_replayed_with_it(tmp_path):
+    """The step with the optimizer holds its state and update: a file planned without them does not match."""
+    path = tmp_path / "step.json"
+    x = torch.randn(32, 64)
+    optsched.optimize(mlp(), "100%", plan=path, device_profile="cpu", time_limit_s=1)(x).square().mean().backward()
+    model = mlp()
+    om = optsched.optimize(model, "100%", optimizer=adamw(model), plan=path, device_profile="cpu", time_limit_s=1)
+    with pytest.raises(optsched.PlanMismatchError, match="optimizer: the plan has None, this run wants 'AdamW"):
+        om(x).square().mean().backward()

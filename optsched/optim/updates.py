@@ -162,6 +162,16 @@ def in_backward(optimizer: Optimizer) -> InBackwardUpdates:
     return _registry[optimizer]
 
 
+def describe(optimizer: Optimizer) -> str:
+    """What a plan of the whole step depends on of `optimizer`: its type and, per parameter group, the options that
+    change its state or its update's kernels (not learning rates or decay: a plan file made for one replays for
+    another)."""
+    check_supported(optimizer, "describe")
+    keys = ("momentum", "foreach", "fused") if isinstance(optimizer, SGD) else ("amsgrad", "foreach", "fused", "capturable")
+    groups = [", ".join(f"{k}={g.get(k)}" for k in keys) + f", {len(g['params'])} params" for g in optimizer.param_groups]
+    return f"{type(optimizer).__name__}({'; '.join(groups)})"
+
+
 def state_sizes(optimizer: Optimizer, param: torch.Tensor) -> list[int]:
     """Bytes of each state tensor `optimizer` will hold for `param` on the parameter's own device once its
     first step ran (torch creates the state lazily there): what a plan must count from the first step, one

@@ -28,6 +28,7 @@ from ..costs.cost_cache import CostCache
 from ..costs.measure import unread_state
 from ..executors import get_executor
 from ..plans.cache import save_or_warn
+from ..optim.updates import describe
 from ..plans.file_format import PlanFile, PlanMismatchError
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
@@ -119,12 +120,12 @@ class Planner:
         solver = ProgramSolver(self.settings, self.target, self.resolution, PlanningTime(), lending,
                                grads_at_start=self.grads_at_start)
         variants = variants_for(self.step, gm, jg, kind, usage, self.observed_usage, solver=solver,
-                                fusion=self._fusion(), costs_of=self.costs, resident=self.resident)
+                                fusion=fusion_of(self.target, self.settings), costs_of=self.costs, resident=self.resident)
         planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning)
         plan = planned.plan
         if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
             usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
-        plan.fingerprint, plan.offload_allowed = fp, self.target.offload
+        plan.fingerprint, plan.offload_allowed, plan.optimizer = fp, self.target.offload, self.made_for(kind)["optimizer"]
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp, planned.items, lending.record, lending.note)
         if found.path is not None:  # a save the file system refuses warns: the plan is made, the step runs
@@ -136,13 +137,11 @@ class Planner:
                   usage: OutputUsage | None) -> Planned:
         if (executor := self.files.file_executor(found.pf, self.target)) is not None:  # the one that formed its groups
             self.target = dataclasses.replace(self.target, executor=get_executor(executor, self.target.device))
-        planned = replay(found.pf, gm, jg, kind, usage, self.target, self._fusion(), self.resident)
+        planned = replay(found.pf, gm, jg, kind, usage, self.target, fusion_of(self.target, self.settings), self.resident,
+                         self.step if kind.training else None)
         self._record_budget(planned.plan, fp, planned.items, found.lent_record, None)
         self.on_plan(planned.plan)
         return planned
-
-    def _fusion(self) -> Fusion:
-        return Fusion(self.target, named=self.settings.executor is not None)
 
     def made_for(self, kind: ProgramKind) -> dict:
         """What a plan file must have been made for (its output usage is checked apart: see `plan`).
@@ -152,6 +151,7 @@ class Planner:
         t = self.target
         return {"kind": kind.label, "budget": str(self.settings.budget), "device_profile": t.profile.name,
                 "executor": t.executor.name, "offload": t.offload, "grads_at_start": self.grads_at_start and kind.training,
+                "optimizer": describe(self.settings.optimizer) if self.step is not None and kind.training else None,
                 **self.resolution.made_for(training=kind.training)}
 
     def _record_budget(self, plan: Plan, fp: dict, items: list | None, lent: dict | None, lent_note: str | None) -> None:
@@ -165,6 +165,11 @@ class Planner:
             plan.stats.notes.append(lent_note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def fusion_of(target: Target, settings: PlanningSettings) -> Fusion:
+    """The fusion of a planner's programs: its executor's groups (named: the caller chose it)."""
+    return Fusion(target, named=settings.executor is not None)
 
 
 def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, deterministic: bool) -> Planned:

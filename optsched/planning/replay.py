@@ -15,10 +15,11 @@ from ..capture.output_usage import OutputUsage
 from ..executors import runs_on
 from ..passes.chunking import chunk, copy_graph
 from ..plans.cache import accumulation_path, find_plan_file, plan_path
-from ..plans.file_format import PlanFile
+from ..plans.file_format import PlanFile, PlanFileError
 from ..plans.reuse import plan_from_file
 from ..settings import PlanningSettings
 from .fusion import Fusion
+from .optimizer_step import WholeStep, warn_when_not_stepping
 from .program import Planned, ProgramKind, Target
 
 
@@ -101,9 +102,28 @@ class PlanFiles:
 
 
 def replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
-           target: Target, fusion: Fusion, resident: list[tuple[str, int]] = ()) -> Planned:
+           target: Target, fusion: Fusion, resident: list[tuple[str, int]] = (), step: WholeStep | None = None) -> Planned:
     """`pf`'s plan on this graph, or on a chunked copy of it when the plan was made for the chunked graph (then that
-    copy is what to lower); its groups compiled, not timed (the file's costs replace the times)."""
+    copy is what to lower); its groups compiled, not timed (the file's costs replace the times). `step`: the
+    optimizer's update the plan was made with (its graph: the update after the backward, or inside it for the
+    parameters the file lists), `resident`: what is on the device all step that no program reads."""
+    inside = pf.data["summary"].get("updates_in_backward") or []
+    if step is not None:
+        graph = step.in_backward_graph(gm, jg) if inside else step.after_graph(gm, jg)
+        if graph is None:
+            raise PlanFileError(f"{pf.path}: it updates {len(inside)} parameter(s) inside the backward, which this "
+                                "step cannot (updates_in_backward=False, or no gradient the backward makes alone)")
+        gm, jg = graph
+    planned = _replay(pf, gm, jg, kind, usage, target, fusion, resident)
+    planned.plan.optimizer = pf.data["made_for"].get("optimizer")
+    if inside:
+        planned.plan.updates_in_backward = list(inside)
+        warn_when_not_stepping(planned.plan, planned.items, planned.plan.budget_bytes)
+    return planned
+
+
+def _replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
+            target: Target, fusion: Fusion, resident: list[tuple[str, int]]) -> Planned:
     chunks = pf.data.get("summary", {}).get("chunks") or {}
     if any(k > 1 for k in chunks.values()):
         gm = copy_graph(gm)

@@ -82,7 +82,7 @@ class PlanFile:
 
 # made_for fields files written before them lack, as those files were made: a percentage budget was
 # then always a share of the program's own unplanned peak
-_MADE_FOR_BEFORE = {"budget_from": "this program", "grads_at_start": False}
+_MADE_FOR_BEFORE = {"budget_from": "this program", "grads_at_start": False, "optimizer": None}
 
 
 def node_difference(planned: list, current: list) -> str:

@@ -93,6 +93,7 @@ class Plan:
     chunk_trials: list[dict] = field(default_factory=list)  # per chunk count tried: fits, peak, time
     grads_at_start: bool = False  # an accumulation step: the gradients it adds into are live from its start
     updates_in_backward: list[str] = field(default_factory=list)  # parameters updated inside the backward
+    optimizer: str | None = None  # the optimizer whose state and update the plan counts (optim.describe), if any
 
     @property
     def kind(self) -> str:
@@ -213,6 +214,7 @@ def _file_data(plan: Plan) -> dict:
             "timing": plan.timing,
             "outputs": plan.output_usage,
             "grads_at_start": plan.grads_at_start,
+            "optimizer": plan.optimizer,
         },
         "decisions": {
             "ops": [o.name for o in p.ops],

@@ -86,6 +86,7 @@ class MadeFor:
     budget_reference: BudgetReference | None = None
     outputs: str | None = None
     grads_at_start: bool = False  # written since accumulation steps are planned apart
+    optimizer: str | None = None  # written since plans count an optimizer's state and update (optim.describe)
 
 
 @dataclass(frozen=True, kw_only=True)

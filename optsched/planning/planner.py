@@ -27,8 +27,8 @@ from ..capture.output_usage import OutputUsage
 from ..costs.cost_cache import CostCache
 from ..costs.measure import unread_state
 from ..executors import get_executor
-from ..plans.cache import save_or_warn
 from ..optim.updates import describe
+from ..plans.cache import save_or_warn
 from ..plans.file_format import PlanFile, PlanMismatchError
 from ..plans.plan import Plan
 from ..settings import PlanningSettings

@@ -4,6 +4,7 @@ of the outputs. plans.reuse rebuilds its problem with the recorded costs and re-
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +103,7 @@ class PlanFiles:
 
 
 def replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
-           target: Target, fusion: Fusion, resident: list[tuple[str, int]] = (), step: WholeStep | None = None) -> Planned:
+           target: Target, fusion: Fusion, resident: Sequence[tuple[str, int]] = (), step: WholeStep | None = None) -> Planned:
     """`pf`'s plan on this graph, or on a chunked copy of it when the plan was made for the chunked graph (then that
     copy is what to lower); its groups compiled, not timed (the file's costs replace the times). `step`: the
     optimizer's update the plan was made with (its graph: the update after the backward, or inside it for the
@@ -123,7 +124,7 @@ def replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, 
 
 
 def _replay(pf: PlanFile, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None,
-            target: Target, fusion: Fusion, resident: list[tuple[str, int]]) -> Planned:
+            target: Target, fusion: Fusion, resident: Sequence[tuple[str, int]]) -> Planned:
     chunks = pf.data.get("summary", {}).get("chunks") or {}
     if any(k > 1 for k in chunks.values()):
         gm = copy_graph(gm)

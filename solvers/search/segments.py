@@ -29,6 +29,10 @@ from .offload import step_with_compute_before
 log = logging.getLogger(__name__)
 
 SEGMENT_S = 2.0  # the most one segment model may take
+# replans of same-shape segments (repeated blocks), or copies of a change to them, that did not help, after which
+# the others of that shape are left as they are (for this round): the blocks of a deep model differ only in what
+# is live around them (80 Llama layers at 60%: 2.5 s of a 6 s slice went to 79 copies of one change, none helping)
+SAME_SHAPE_MISSES = 3
 PREFETCH_LEAD = 1.0  # a segment's offloads come back this many copy times of compute before it
 PREFETCH_SHARES = (0.25, 0.5, 1.0)  # the prefetch steps a segment model chooses from: hiding these shares of
 # copying all it may offload
@@ -115,6 +119,7 @@ def improve_by_segments(
         fits = _fits(bsim, budget)
         segs = _priority(problem, bsim, groups, segments(problem, bsim, groups), budget)
         improved = False
+        missed: dict[tuple, int] = {}  # a segment's shape -> replans of segments of that shape that did not help
         for a, b, g in segs:
             left = deadline - clock.now()
             if left < 0.1:
@@ -122,7 +127,11 @@ def improve_by_segments(
             state = (tuple(bsim.steps[a:b]), fits)
             if state in tried:
                 continue
+            shape = tuple((op_signature(problem, o), rc) for o, rc in bsim.steps[a:b])
+            if missed.get(shape, 0) >= SAME_SHAPE_MISSES:
+                continue
             tried.add(state)
+            missed[shape] = missed.get(shape, 0) + 1  # taken back below when the replan helps
             free = free_ops(problem, bsim, a, b, groups.members[g], offload=offload and problem.host_bw > 0)
             window = offload_window(problem, bsim, a, free) if offload else None
             limit = min(left, SEGMENT_S)
@@ -144,6 +153,7 @@ def improve_by_segments(
             if not better(csim, bsim, budget):
                 continue
             best, bsim, improved = cand, csim, True
+            missed.pop(shape, None)
             if on_step:
                 on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
             if g in groups.block_set:
@@ -184,7 +194,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
     """Apply the change made to block `g`'s segment (whose steps were `old_steps`, now `solved`) to every
     other block's of the same shape: to all of them at once first (one simulation: a change that lowers the
     peak lowers it only once every block has it), else one at a time, each kept when the simulator says it is
-    better, until `deadline` (clock.now()).
+    better, until `deadline` (clock.now()) or SAME_SHAPE_MISSES copies in a row that do not help.
     `moved`: (the free ops whose offloading was decided, those offloaded), when offloads were;
     `fusion`: the fusion options decided there (each copied to the option of the same steps).
 
@@ -218,10 +228,12 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             else:
                 if better(tsim, sim, budget):
                     return at_once, tsim
+    misses = 0
     for target_old, mapped, offloads, fused in copies:
-        if deadline is not None and clock.now() >= deadline:
+        if (deadline is not None and clock.now() >= deadline) or misses >= SAME_SHAPE_MISSES:
             break
         trial = replace_run(problem, sim, target_old, mapped, offloads, fusion=fused)
+        misses += 1  # taken back when the copy helps
         if trial is None:
             continue
         try:
@@ -230,7 +242,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
             reject(log, "candidate(s) rejected in the segment search (a copy to a repeated block)", e)
             continue
         if better(tsim, sim, budget):
-            sched, sim = trial, tsim
+            sched, sim, misses = trial, tsim, 0
     return sched, sim
 
 

@@ -137,10 +137,11 @@ def _without_plan_file(spec):
 def _check_options(options: dict) -> None:
     if "plan" in options and options["plan"] == "auto":
         raise ValueError("plan='auto' is per machine; under torch.distributed pass a path (rank src reads or writes it) or None")
-    if options.get("optimizer") is not None:  # the plans other ranks replay do not record it (as plan files do not)
+    if options.get("optimizer") is not None:  # rank src's plan reaches the others without their own optimizer
         raise NotImplementedError(
-            "optimizer= is not supported under torch.distributed yet: the plans other ranks replay do not record the "
-            "optimizer, and updates inside the backward would skip DDP's gradient all-reduce; plan without it")
+            "optimizer= is not supported under torch.distributed yet: the other ranks replay rank src's plan without "
+            "their own optimizer (its state and update), and updates inside the backward would skip DDP's gradient "
+            "all-reduce; plan without it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -223,10 +223,12 @@ class Dispatcher:
                 self.usage.pop(_usage_key(base), None)  # forget what was seen of it
         return entry
 
-    def copy_spec(self) -> _CopySpec:
+    def copy_spec(self, replayed_with_optimizer: bool = False) -> _CopySpec:
         """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first);
-        made with `optimizer=`, without it or its plans (a copy's own parameters are not the optimizer's)."""
-        if self.settings.optimizer is not None:
+        made with `optimizer=`, without it or its plans (a copy's own parameters are not the optimizer's), unless
+        `replayed_with_optimizer`: the plans are kept, for another process that gives its own optimizer (a rank of
+        optsched.distributed; the settings carry none)."""
+        if self.settings.optimizer is not None and not replayed_with_optimizer:
             return _CopySpec(dataclasses.replace(self.settings, optimizer=None, updates_in_backward="auto"),
                              self.resolution.copy(), ())
         texts = [
@@ -234,7 +236,10 @@ class Dispatcher:
             for e in reversed(self.entries.values()) if e.plan is not None and e.plan.fingerprint is not None
         ]
         texts += [t for t in self.carried_json if t not in texts]
-        return _CopySpec(self.settings, self.resolution.copy(), tuple(texts[: 2 * SHAPE_CACHE_SIZE]))
+        settings = self.settings
+        if settings.optimizer is not None:  # the plans, not the optimizer: the receiver gives its own
+            settings = dataclasses.replace(settings, optimizer=None, updates_in_backward="auto")
+        return _CopySpec(settings, self.resolution.copy(), tuple(texts[: 2 * SHAPE_CACHE_SIZE]))
 
     def reduce_module(self, protocol: int = 2) -> tuple:
         """The optimized module's `__reduce_ex__` (copy.copy, copy.deepcopy, pickle, torch.save): its state
@@ -639,13 +644,14 @@ def _refuse_fsdp(module: torch.nn.Module) -> None:
         )
 
 
-def optimized_spec(optimized: Any) -> _CopySpec:
+def optimized_spec(optimized: Any, replayed_with_optimizer: bool = False) -> _CopySpec:
     """What an optimized module or function is optimized with: its settings, its budget as resolved so far and
-    its plans (sealed plan-file JSON), as copies of it carry them; picklable. `optimize_like` applies it."""
+    its plans (sealed plan-file JSON), as copies of it carry them; picklable. `optimize_like` applies it.
+    `replayed_with_optimizer`: a plan made with `optimizer=` is kept (Dispatcher.copy_spec), the optimizer is not."""
     dispatcher = optimized._call if isinstance(optimized, OptimizedFunction) else optimized.__dict__.get("_compiled_call_impl")
     if not isinstance(dispatcher, Dispatcher):
         raise TypeError(f"not an optimized module or function: {type(optimized).__name__}")
-    return dispatcher.copy_spec()
+    return dispatcher.copy_spec(replayed_with_optimizer)
 
 
 def optimize_like(fn_or_module: Callable | torch.nn.Module, spec: _CopySpec, example_inputs: tuple | list | None = None) -> Any:

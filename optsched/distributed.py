@@ -137,11 +137,10 @@ def _without_plan_file(spec):
 def _check_options(options: dict) -> None:
     if "plan" in options and options["plan"] == "auto":
         raise ValueError("plan='auto' is per machine; under torch.distributed pass a path (rank src reads or writes it) or None")
-    if options.get("optimizer") is not None:  # rank src's plan reaches the others without their own optimizer
+    if options.get("updates_in_backward", "auto") is not False and options.get("optimizer") is not None:
         raise NotImplementedError(
-            "optimizer= is not supported under torch.distributed yet: the other ranks replay rank src's plan without "
-            "their own optimizer (its state and update), and updates inside the backward would skip DDP's gradient "
-            "all-reduce; plan without it")
+            "updates inside the backward are not supported under torch.distributed yet (they would take each gradient "
+            "before DDP's all-reduce): pass updates_in_backward=False with optimizer= (the update after the backward)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,16 +158,25 @@ def optimize(fn_or_module, mem_budget=None, *, example_inputs: tuple | list, gro
     (at their first call) are planned on each rank by itself: plan them here too, or give a `device_profile`
     so that every rank's costs, and so its plans, are the same.
 
+    With `optimizer=` (each rank its own, over its own parameters), `updates_in_backward=False`: the step's update
+    after the backward, the optimizer's state counted; the other ranks replay rank src's plans with theirs.
+
     Returns what `optsched.optimize` returns; `plan_digest(result.plan)` is equal on every rank."""
     _check_options(options)
     example_inputs = tuple(example_inputs)
 
+    optimizer = options.get("optimizer")
+
     def planned():
         target = api.optimize(fn_or_module, mem_budget, example_inputs=example_inputs, **options)
-        return target, api.optimized_spec(target)
+        return target, api.optimized_spec(target, replayed_with_optimizer=optimizer is not None)
 
     def replayed(spec):
-        return api.optimize_like(fn_or_module, _without_plan_file(spec), example_inputs)
+        spec = _without_plan_file(spec)
+        if optimizer is not None:  # rank src's plans, with this rank's own optimizer (its state and update)
+            spec = dataclasses.replace(spec, settings=dataclasses.replace(spec.settings, optimizer=optimizer,
+                                                                          updates_in_backward=False))
+        return api.optimize_like(fn_or_module, spec, example_inputs)
 
     return _one_outcome(group, src, planned, replayed, lambda t: plan_digest(t.plan))
 
@@ -482,6 +490,9 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     from torch.distributed.fsdp import fully_shard
 
     _check_options(options)
+    if options.get("optimizer") is not None:
+        raise NotImplementedError("optimize_fsdp does not plan an optimizer's state and update yet (optimizer=): its "
+                                  "block plans count the shards FSDP2 holds, not the optimizer's; plan without it")
     if options.get("plan") is not None:
         raise ValueError("optimize_fsdp does not read or write plan files yet (plan=...): its block plans are chosen "
                          "with the per-rank terms and carried to every rank")

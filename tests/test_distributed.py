@@ -64,6 +64,10 @@ def test_ddp_one_plan_same_gradients_peak_within_budget():
     assert r0["digest"] == r1["digest"]
     assert r0["fingerprint"] == r1["fingerprint"]
     assert r1["replayed"] and not r0["replayed"]  # rank 1 ran rank 0's plan, it did not solve
+    # with each rank's optimizer: rank 0's plan of the whole step, replayed on rank 1 with its own AdamW
+    assert r0["opt_same_training"] and r1["opt_same_training"], (r0, r1)
+    assert r0["opt_digest"] == r1["opt_digest"] and r0["opt_state_counted"] and r1["opt_state_counted"]
+    assert r1["opt_replayed"] and not r0["opt_replayed"] and r0["opt_optimizer"] == r1["opt_optimizer"]
     # infeasible: the same error on both ranks, raised (not hung, not a dropped connection)
     assert r0["infeasible"] == r1["infeasible"]
     assert r0["infeasible"].startswith("BudgetInfeasibleError:")
@@ -140,6 +144,7 @@ def _ddp(rank: int, world: int) -> dict:
         "predicted": plan.predicted_peak_bytes, "digest": od.plan_digest(plan), "fingerprint": plan.fingerprint["hash"],
         "replayed": any(n.startswith("loaded from") for n in plan.stats.notes),
     }
+    out.update(_ddp_with_optimizer(Net, x, y))
     try:
         od.optimize(Net(), 1000, example_inputs=(x, y), time_limit_s=1.0)
         out["infeasible"] = "no error"
@@ -154,6 +159,31 @@ def _ddp(rank: int, world: int) -> dict:
         out["mismatch"] = f"{type(e).__name__}: {e}"
     dist.barrier()
     return out
+
+
+def _ddp_with_optimizer(Net, x, y) -> dict:
+    """The whole step with each rank's AdamW (update after the backward): rank 1 replays rank 0's plan with its own
+    optimizer; 3 DDP steps give eager DDP's parameters and state, bitwise."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import optsched.distributed as od
+
+    ref, model = Net(), Net()
+    ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ref, model))
+    om = od.optimize(model, "90%", example_inputs=(x, y), time_limit_s=1.0, optimizer=opt, updates_in_backward=False)
+    for m, o in ((DDP(ref), ref_opt), (DDP(om), opt)):
+        for _ in range(3):
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+    same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters())) and all(
+        torch.equal(v, opt.state[b][k]) for a, b in zip(ref.parameters(), model.parameters())
+        for k, v in ref_opt.state[a].items())
+    plan = om.plan
+    return {"opt_same_training": same, "opt_digest": od.plan_digest(plan), "opt_optimizer": plan.optimizer,
+            "opt_state_counted": any(t.name.endswith("(optimizer state)") for t in plan.problem.tensors),
+            "opt_replayed": any(n.startswith("loaded from") for n in plan.stats.notes)}
 
 
 def _fsdp(rank: int, world: int) -> dict:
@@ -262,16 +292,19 @@ if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 
 
-def test_optimizer_is_refused_before_any_collective():
-    """optimizer= under torch.distributed: refused at once (the replayed plans would not record it, and updates
-    inside the backward would skip DDP's all-reduce), before any process group is needed."""
+def test_updates_inside_the_backward_and_fsdp_optimizers_are_refused_before_any_collective():
+    """optimizer= under torch.distributed: updates inside the backward (they would skip DDP's all-reduce) and
+    optimize_fsdp's (its block plans do not count the optimizer) refused at once, before any process group."""
     import torch
 
     import optsched.distributed as od
 
     model = torch.nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match="optimizer= is not supported under torch.distributed"):
+    with pytest.raises(NotImplementedError, match="pass updates_in_backward=False with optimizer="):
         od.optimize(model, None, example_inputs=(torch.randn(2, 4),), optimizer=torch.optim.SGD(model.parameters()))
+    with pytest.raises(NotImplementedError, match="optimize_fsdp does not plan an optimizer"):
+        od.optimize_fsdp(model, None, example_inputs=(torch.randn(2, 4),), optimizer=torch.optim.SGD(model.parameters()),
+                         updates_in_backward=False)
 
 
 def test_an_update_inside_the_backward_refuses_a_process_group_of_several_ranks(monkeypatch):

@@ -224,21 +224,16 @@ class Dispatcher:
         return entry
 
     def copy_spec(self, replayed_with_optimizer: bool = False) -> _CopySpec:
-        """For a copy: the settings, the budget's resolution so far, and the plans to replay (most recent first);
-        made with `optimizer=`, without it or its plans (a copy's own parameters are not the optimizer's), unless
-        `replayed_with_optimizer`: the plans are kept, for another process that gives its own optimizer (a rank of
-        optsched.distributed; the settings carry none)."""
-        if self.settings.optimizer is not None and not replayed_with_optimizer:
-            return _CopySpec(dataclasses.replace(self.settings, optimizer=None, updates_in_backward="auto"),
-                             self.resolution.copy(), ())
-        texts = [
-            json.dumps(seal(e.plan.to_file_data()), separators=(",", ":"))
-            for e in reversed(self.entries.values()) if e.plan is not None and e.plan.fingerprint is not None
-        ]
-        texts += [t for t in self.carried_json if t not in texts]
+        """For a copy: settings, budget resolution and plans to replay (most recent first); with `optimizer=`, neither
+        it nor its plans (a copy's parameters are not its), but the plans when a rank replays them with its own."""
         settings = self.settings
-        if settings.optimizer is not None:  # the plans, not the optimizer: the receiver gives its own
+        if settings.optimizer is not None:  # never the optimizer: a copy plans without it, a rank gives its own
             settings = dataclasses.replace(settings, optimizer=None, updates_in_backward="auto")
+            if not replayed_with_optimizer:
+                return _CopySpec(settings, self.resolution.copy(), ())
+        texts = [json.dumps(seal(e.plan.to_file_data()), separators=(",", ":"))
+                 for e in reversed(self.entries.values()) if e.plan is not None and e.plan.fingerprint is not None]
+        texts += [t for t in self.carried_json if t not in texts]
         return _CopySpec(settings, self.resolution.copy(), tuple(texts[: 2 * SHAPE_CACHE_SIZE]))
 
     def reduce_module(self, protocol: int = 2) -> tuple:

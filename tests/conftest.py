@@ -25,6 +25,7 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from tests.hypothesis_profiles import QUICK  # noqa: E402  (registers the profiles)
@@ -36,3 +37,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", QUICK))  # --hypothes
 # They only matter when TORCH_TRACE asks for a trace, so drop them otherwise.
 if not os.environ.get("TORCH_TRACE"):
     logging.getLogger("torch.__trace").addFilter(lambda record: False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist (3.8) groups `--dist loadgroup` tests by a '@group' suffix it writes to `item._nodeid`, which
+    pytest 9 no longer reads (a node's id lives in `item._id`): every group was ignored, and both workers made what
+    a group shares (the accumulation loop ran twice, 15 s each). Written where pytest reads it; a no-op under
+    pytest 8, where `_nodeid` is the id."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        suffixed = item.__dict__.get("_nodeid")
+        if suffixed and item.nodeid != suffixed:
+            from _pytest.nodeid import coerce_node_id
+
+            item._id = coerce_node_id(suffixed)

@@ -84,7 +84,7 @@ def _check_orders(problem: Problem, schedule: Schedule) -> None:
 def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
     _check_orders(problem, schedule)
-    steps = _steps(problem, schedule)
+    steps = schedule_steps(problem, schedule)
     clock.count("simulated_step", len(steps))
     n_fw = len(schedule.fw_order)
     runs = formed_runs(problem, schedule, steps)
@@ -131,7 +131,7 @@ def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     )
 
 
-def _steps(problem: Problem, schedule: Schedule) -> list[tuple[int, bool]]:
+def schedule_steps(problem: Problem, schedule: Schedule) -> list[tuple[int, bool]]:
     """(op id, is recomputation) per step: the forward order, then the backward order, in which a
     forward op is a recomputation."""
     return [(o, False) for o in schedule.fw_order] + [

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from ..model import clock
 from ..cpsat.segment import OffloadWindow, free_ops, replan_segment
-from ..model.problem import Phase, Problem, Schedule, reject
-from ..model.simulator import ScheduleError, SimResult, simulate
+from ..model.problem import Problem, Schedule, reject
+from ..model.simulator import ScheduleError, SimResult, schedule_steps, simulate
 from .blocks import Groups, find_blocks, op_signature, segments
 from .incumbent import better, fits as _fits
 from .offload import step_with_compute_before
@@ -131,7 +131,7 @@ def improve_by_segments(
             if missed.get(shape, 0) >= SAME_SHAPE_MISSES:
                 continue
             tried.add(state)
-            missed[shape] = missed.get(shape, 0) + 1  # taken back below when the replan helps
+            missed[shape] = missed.get(shape, 0) + 1  # a replan that helps ends the round (and its count)
             free = free_ops(problem, bsim, a, b, groups.members[g], offload=offload and problem.host_bw > 0)
             window = offload_window(problem, bsim, a, free) if offload else None
             limit = min(left, SEGMENT_S)
@@ -153,7 +153,6 @@ def improve_by_segments(
             if not better(csim, bsim, budget):
                 continue
             best, bsim, improved = cand, csim, True
-            missed.pop(shape, None)
             if on_step:
                 on_step(f"segment of group {g} replanned: {bsim.peak_bytes / 2**20:.2f} MiB")
             if g in groups.block_set:
@@ -233,7 +232,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
         if (deadline is not None and clock.now() >= deadline) or misses >= SAME_SHAPE_MISSES:
             break
         trial = replace_run(problem, sim, target_old, mapped, offloads, fusion=fused)
-        misses += 1  # taken back when the copy helps
+        misses += 1  # reset by a copy that helps
         if trial is None:
             continue
         try:
@@ -270,8 +269,8 @@ class _Steps:
     @classmethod
     def of(cls, problem: Problem, sched: Schedule) -> _Steps:
         n_fw = len(sched.fw_order)
-        steps = [(o, False) for o in sched.fw_order] + [(o, problem.ops[o].phase is Phase.FW) for o in sched.bw_order]
-        return cls(n_fw, steps, {t: _Prefetch(n_fw + k) for t, k in sched.offload.items()}, sched.formed)
+        return cls(n_fw, schedule_steps(problem, sched), {t: _Prefetch(n_fw + k) for t, k in sched.offload.items()},
+                   sched.formed)
 
 
 class _Prefetch:

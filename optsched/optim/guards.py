@@ -28,7 +28,6 @@ import torch.nn.utils.clip_grad as clip_grad
 
 _scalers: weakref.WeakSet = weakref.WeakSet()  # enabled GradScalers that scaled a loss
 _updates: weakref.WeakSet = weakref.WeakSet()  # live InBackwardUpdates (their `updated`: ids since the last step)
-_installed = False
 
 UPDATES_OFF = "optimize(..., updates_in_backward=False) (the update after the backward, in opt.step())"
 
@@ -56,8 +55,7 @@ def untrack(updates) -> None:
 def _refuse_updated(parameters: torch.Tensor | Iterable[torch.Tensor], what: str) -> list[torch.Tensor]:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     updated = set().union(*(u.updated for u in list(_updates)))
-    if any(id(p) in updated for p in params):
-        n = sum(id(p) in updated for p in params)
+    if n := sum(id(p) in updated for p in params):
         raise RuntimeError(
             f"{what} was called on {n} parameter(s) already updated inside the backward, unclipped (their gradients "
             f"were applied and freed before {what} could see them): clipping cannot coexist with updates inside the "
@@ -86,10 +84,7 @@ def _wrap_scale(fn: Callable) -> Callable:
 
 
 def install() -> None:
-    """Wrap `GradScaler.scale` and the clipping functions (once)."""
-    global _installed
-    if _installed:
-        return
+    """Wrap `GradScaler.scale` and the clipping functions, each once (a wrapper is marked `optsched_guard`)."""
     if not getattr(torch.amp.GradScaler.scale, "optsched_guard", False):
         torch.amp.GradScaler.scale = _wrap_scale(torch.amp.GradScaler.scale)
     for name in ("clip_grad_norm_", "clip_grad_value_"):
@@ -99,4 +94,3 @@ def install() -> None:
             setattr(clip_grad, name, wrapped)  # clip_grad_norm (deprecated) calls the module's own
             if getattr(nn_utils, name, None) is fn:
                 setattr(nn_utils, name, wrapped)
-    _installed = True

@@ -56,8 +56,8 @@ class InBackwardUpdates:
     - `grad_scaler`: an enabled `GradScaler` skips the whole step when any gradient is inf/NaN, known only
       after the backward, and its gradients are still scaled in the backward: refused, so that an update the
       scaler would skip is never applied.
-    Both are also caught when not declared (guards.py): `apply` raises before updating once an enabled GradScaler
-    scaled a loss, and the clipping functions raise on a parameter updated here since the last step.
+      Both are also caught when not declared (guards.py): `apply` raises before updating once an enabled
+      GradScaler scaled a loss, and the clipping functions raise on a parameter updated here since the last step.
     - gradient accumulation: set `step_on_backward = False` for the backward calls of micro-batches that do
       not step; `apply` then keeps the gradient (autograd sums the next micro-batch into it), and updates with
       the summed gradient on the backward where `step_on_backward` is True.

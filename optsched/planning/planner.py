@@ -104,7 +104,8 @@ class Planner:
         """The plan for this graph (`jg` its joint graph) and, per op of its problem, the node or fusion group it
         runs: from the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
         fp = fingerprint(gm)
-        found = self.files.find(fp, self.made_for(kind), self.target)
+        wanted = self.made_for(kind)
+        found = self.files.find(fp, wanted, self.target)
         if found.pf is not None:
             replayed, replay_usage = found.replay_usage(usage, self.observed_usage)
             if replayed:
@@ -125,7 +126,7 @@ class Planner:
         plan = planned.plan
         if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
             usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
-        plan.fingerprint, plan.offload_allowed, plan.optimizer = fp, self.target.offload, self.made_for(kind)["optimizer"]
+        plan.fingerprint, plan.offload_allowed, plan.optimizer = fp, self.target.offload, wanted["optimizer"]
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp, planned.items, lending.record, lending.note)
         if found.path is not None:  # a save the file system refuses warns: the plan is made, the step runs

@@ -50,6 +50,7 @@ the remaining ops keep their constant part (still a valid bound, and determinist
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -217,7 +218,7 @@ class _Bound:
         thousands of ops (each bit test shifts a bitset as long as the program)."""
         v, own = self._operands(f, self.input_ids)
         self.scanned += len(self.p.tensors)
-        fa = self._forward_arrays()
+        fa = self._forward_arrays
         hit = fa.always.copy()
         hit[fa.reader_of[self._bits(self.desc[f.id])[fa.readers]]] = True
         live = hit & self._bits(self.anc[f.id])[fa.producer]
@@ -231,25 +232,24 @@ class _Bound:
         raw = np.frombuffer(bitset.to_bytes((n + 7) // 8, "little"), dtype=np.uint8)
         return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
 
+    @functools.cached_property
     def _forward_arrays(self) -> _ForwardArrays:
-        if getattr(self, "_fa", None) is None:
-            p = self.p
-            cand = [t.id for t in p.tensors if self.fw_made[t.id]]
-            position = np.full(len(p.tensors), -1, dtype=np.int64)
-            position[cand] = np.arange(len(cand))
-            always, readers, reader_of = [], [], []
-            for i, t in enumerate(cand):
-                rs = self.readers[t]
-                always.append((t in self.visible and not self.offloadable[t])
-                              or (self._pinned(t) and any(p.ops[r].phase is Phase.BW for r in rs)))
-                fw_rs = [r for r in rs if p.ops[r].phase is Phase.FW]
-                readers += fw_rs
-                reader_of += [i] * len(fw_rs)
-            self._fa = _ForwardArrays(
-                np.array([p.tensors[t].producer for t in cand], dtype=np.int64),
-                np.array(always, dtype=bool), np.array(readers, dtype=np.int64), np.array(reader_of, dtype=np.int64),
-                np.array([self.size[t] for t in cand], dtype=np.int64), position)
-        return self._fa
+        p = self.p
+        cand = [t.id for t in p.tensors if self.fw_made[t.id]]
+        position = np.full(len(p.tensors), -1, dtype=np.int64)
+        position[cand] = np.arange(len(cand))
+        always, readers, reader_of = [], [], []
+        for i, t in enumerate(cand):
+            rs = self.readers[t]
+            always.append((t in self.visible and not self.offloadable[t])
+                          or (self._pinned(t) and any(p.ops[r].phase is Phase.BW for r in rs)))
+            fw_rs = [r for r in rs if p.ops[r].phase is Phase.FW]
+            readers += fw_rs
+            reader_of += [i] * len(fw_rs)
+        return _ForwardArrays(
+            np.array([p.tensors[t].producer for t in cand], dtype=np.int64),
+            np.array(always, dtype=bool), np.array(readers, dtype=np.int64), np.array(reader_of, dtype=np.int64),
+            np.array([self.size[t] for t in cand], dtype=np.int64), position)
 
     def _bw_const(self, b) -> tuple[int, set[int]]:
         p = self.p

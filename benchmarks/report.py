@@ -784,7 +784,35 @@ def whole_step_table(d: dict) -> str:
              "", "| model | budget | method | fits | measured peak MiB (vs eager) | predicted MiB | updated in backward "
              "| time vs eager | weights after 3 steps vs eager |", "|---|---|---|---|---|---|---|---|---|"]
     lines += [_whole_step_row(m, r) for m in d["models"] for r in m["rows"]]
-    return "\n".join(lines)
+    below = [line for m in d["models"] for line in _below_bound(m)]
+    return "\n".join(lines + ([""] + below if below else []))
+
+
+def _below_bound(m: dict) -> list[str]:
+    """Issue 36's item 1, per offload setting: the step with updates inside the backward at 10% below the proven
+    bound of the step with the update after it (the highest bound its refusals reported), and the lowest measured."""
+    out = []
+    for suffix, label in (("", "without offloading"), (", offload", "with offloading")):
+        after = [r for r in m["rows"] if r["method"] == f"optsched, update after backward{suffix}"]
+        bounds = [r["lower_bound_bytes"] for r in after if r.get("infeasible") and r.get("lower_bound_bytes")]
+        auto = {r["budget"]: r for r in m["rows"] if r["method"] == f"optsched, auto{suffix}"}
+        if not bounds:
+            continue
+        bound = max(bounds)
+        text = f"{m['model']}, {label}: proven bound with the update after the backward {bound / MIB:.2f} MiB"
+        below = auto.get("bound-10%")
+        if below is not None:
+            text += (f"; at 10% below it ({below['budget_bytes'] / MIB:.2f} MiB) updates inside the backward "
+                     + (f"fit: measured {below['measured_peak_bytes'] / MIB:.2f} MiB, predicted "
+                        f"{below['predicted_peak_bytes'] / MIB:.2f}" if not below.get("infeasible") and below["fits"]
+                        else "do not fit" + (f" (lowest found {below['lowest_peak_bytes'] / MIB:.2f} MiB)"
+                                             if below.get("infeasible") else "")))
+        low = auto.get("lowest")
+        if low is not None and not low.get("infeasible"):
+            peak = low["measured_peak_bytes"]
+            text += f"; the lowest probe measured {peak / MIB:.2f} MiB, {1 - peak / bound:.1%} below the bound"
+        out.append(text + ".")
+    return out
 
 
 def _git_text(git: dict) -> str:

@@ -11,8 +11,9 @@ lr 1e-3): the bundled GPT returning logits (the loss outside the module) and a t
   fusing the optimizer step into the backward pass": one optimizer per parameter, each stepped from
   `register_post_accumulate_grad_hook`), and torchtune-style: one optimizer, `optsched.optim.InBackwardUpdates`
   over every parameter, applied from the same hooks;
-* optsched with `updates_in_backward=False` and `"auto"`, at no budget, 60% and 40% (of the unplanned step, the
-  update after the backward) and the lowest reachable: a probe at 1 byte (refused below the proven bound), one at
+* optsched with `updates_in_backward=False` and `"auto"`, each without and with `offload=True` (on this CPU a
+  separate host pool filled by worker threads; offloading needs a budget), at no budget, 60% and 40% (of the
+  unplanned step, the update after the backward) and the lowest reachable: a probe at 1 byte (refused below the proven bound), one at
   the bound, then the lowest peak that search found (`start_from=` its error).
 
 Each row: whether the measured peak fits the budget, the allocator's peak of the whole step above nothing
@@ -47,8 +48,14 @@ from optsched.solvers import BudgetInfeasibleError
 RESULTS = Path(__file__).parent / "results"
 LR = 1e-3
 WARMUP_STEPS = 2  # before the measured step, so that AdamW's state exists (and the caller's use of outputs is seen)
-BUDGETS = ("none", "60%", "40%", "lowest")
-OPTSCHED_METHODS = {"optsched, update after backward": False, "optsched, auto": "auto"}
+BUDGETS = ("none", "60%", "40%", "bound-10%", "lowest")
+BELOW_BOUND = "bound-10%"  # 10% below the proven bound of the update after the backward (issue 36's item 1)
+OPTSCHED_METHODS = {  # name -> optimize()'s keywords
+    "optsched, update after backward": dict(updates_in_backward=False),
+    "optsched, auto": dict(updates_in_backward="auto"),
+    "optsched, update after backward, offload": dict(updates_in_backward=False, offload=True),
+    "optsched, auto, offload": dict(updates_in_backward="auto", offload=True),
+}
 
 
 @dataclass
@@ -152,11 +159,10 @@ def in_backward_runner(wl: Workload) -> Runner:
     return Runner(step, model, lambda: list(opt.state.values()))
 
 
-def optsched_runner(wl: Workload, budget, updates_in_backward, time_limit_s: float, start_from=None) -> Runner:
+def optsched_runner(wl: Workload, budget, options: dict, time_limit_s: float, start_from=None) -> Runner:
     model = wl.build()
     opt = adamw(model.parameters())
-    om = optsched.optimize(model, budget, optimizer=opt, time_limit_s=time_limit_s,
-                           updates_in_backward=updates_in_backward, start_from=start_from)
+    om = optsched.optimize(model, budget, optimizer=opt, time_limit_s=time_limit_s, start_from=start_from, **options)
 
     def step() -> None:
         wl.loss(om, wl.batch).backward()
@@ -209,14 +215,14 @@ def run_row(wl: Workload, make: Callable[[], Runner], eager: Runner, ref_params:
     return row
 
 
-def lowest_row(wl: Workload, uib, eager: Runner, ref: list[torch.Tensor], args) -> dict:
+def lowest_row(wl: Workload, options: dict, eager: Runner, ref: list[torch.Tensor], args) -> dict:
     """The lowest reachable budget, each probe a row run in full where it plans: 1 byte, refused below the proven
     bound before any search; the bound, refused again while the bound rises (it is refined per probe) or searched;
     then the lowest peak that search found, started from its plan (`start_from=`). `probes`: those refused."""
     probes: list[dict] = []
     budget, start_from = 1, None
     for _ in range(args.probes):
-        row = run_row(wl, lambda b=budget, s=start_from: optsched_runner(wl, b, uib, args.time_limit, s), eager, ref,
+        row = run_row(wl, lambda b=budget, s=start_from: optsched_runner(wl, b, options, args.time_limit, s), eager, ref,
                       args.repeat)
         if not row.get("infeasible"):
             return {**row, "probes": probes}
@@ -240,16 +246,28 @@ def model_rows(wl: Workload, args) -> dict:
     for name, make in peers.items():
         rows.append({"method": name, "budget": "none", **run_row(wl, lambda make=make: make(wl), eager, ref, args.repeat)})
         print(f"  {name}: {_short(rows[-1])}", flush=True)
+    bounds: dict[bool, int] = {}  # offloading? -> the highest proven bound of the update after the backward
     for budget in args.budgets:
-        for name, uib in OPTSCHED_METHODS.items():
+        for name, options in OPTSCHED_METHODS.items():
+            offload = bool(options.get("offload"))
+            if budget == "none" and offload:
+                continue  # offloading needs a budget
+            if budget == BELOW_BOUND and (not options["updates_in_backward"] or offload not in bounds):
+                continue  # only updates inside the backward can go below it; its bound comes from a refusal
             t0 = time.perf_counter()
-            if budget == "lowest":
-                row = lowest_row(wl, uib, eager, ref, args)
-            else:
-                value = None if budget == "none" else budget
-                make = lambda v=value, u=uib: optsched_runner(wl, v, u, args.time_limit)  # noqa: E731
+            if budget == BELOW_BOUND:
+                make = lambda v=int(0.9 * bounds[offload]), o=options: optsched_runner(wl, v, o, args.time_limit)  # noqa: E731
                 row = run_row(wl, make, eager, ref, args.repeat)
                 row.pop("error", None)
+            elif budget == "lowest":
+                row = lowest_row(wl, options, eager, ref, args)
+            else:
+                value = None if budget == "none" else budget
+                make = lambda v=value, o=options: optsched_runner(wl, v, o, args.time_limit)  # noqa: E731
+                row = run_row(wl, make, eager, ref, args.repeat)
+                row.pop("error", None)
+            if not options["updates_in_backward"] and row.get("infeasible") and row.get("lower_bound_bytes"):
+                bounds[offload] = max(bounds.get(offload, 0), row["lower_bound_bytes"])
             rows.append({"method": name, "budget": budget, **row, "row_s": time.perf_counter() - t0})
             print(f"  {budget:>6} {name}: {_short(rows[-1])}", flush=True)
     return {"model": wl.name, "description": wl.description, "param_tensors": len(list(eager.model.parameters())),

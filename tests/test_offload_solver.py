@@ -161,3 +161,41 @@ def test_prefetch_position_leaves_one_copy_time_of_compute():
         alone = simulate(p, Schedule(sched.fw_order, sched.bw_order, {t: j}))
         waits_back = alone.exposed_transfer_s - simulate(p, Schedule(sched.fw_order, sched.bw_order, {t: 0})).exposed_transfer_s
         assert waits_back == pytest.approx(0.0, abs=1e-12) or j == 0
+
+
+def _held_gradient_problem():
+    """A backward whose weight gradient W waits for a copy back of x, holding the 4 MiB gradient g it reads across
+    A1..A3 (each 2 MiB): run W right after G, with x brought back ahead of it, and g dies before A1."""
+    from optsched.solvers.model.problem import Op, Phase, Problem, Tensor, TensorKind
+
+    names = ["w", "tangent", "x", "y", "g", "a1", "a2", "a3", "dw"]
+    sizes = [MB, 1024, MB, MB, 4 * MB, 2 * MB, 2 * MB, 1024, 1024]
+    kinds = {"w": TensorKind.INPUT, "tangent": TensorKind.TANGENT}
+    ops_spec = [  # name, phase, inputs, outputs
+        ("F0", Phase.FW, ["w"], ["x"]), ("F1", Phase.FW, ["x"], ["y"]),
+        ("G", Phase.BW, ["tangent", "y"], ["g"]), ("A1", Phase.BW, ["tangent"], ["a1"]),
+        ("A2", Phase.BW, ["a1"], ["a2"]), ("A3", Phase.BW, ["a2"], ["a3"]), ("W", Phase.BW, ["g", "x"], ["dw"]),
+    ]
+    tid = {n: i for i, n in enumerate(names)}
+    producer = {out: k for k, (_n, _p, _i, outs) in enumerate(ops_spec) for out in outs}
+    tensors = [Tensor(i, n, sizes[i], kinds.get(n, TensorKind.ACTIVATION), producer.get(n)) for i, n in enumerate(names)]
+    ops = [Op(k, n, ph, tuple(tid[t] for t in ins), tuple(tid[t] for t in outs), time_s=1e-3)
+           for k, (n, ph, ins, outs) in enumerate(ops_spec)]
+    problem = Problem(ops, tensors, outputs=frozenset({tid["a3"], tid["dw"]}), host_bw=1e9)
+    return problem, tid
+
+
+def test_reordering_around_a_copy_back_keeps_it_and_lowers_the_peak():
+    """refine_order on an offloading plan: the window is reordered with the copy back issued again ahead of its
+    reader (it used to return the plan without its offloads), and the peak drops by the gradient held."""
+    from optsched.solvers.search.reorder import refine_order
+
+    problem, tid = _held_gradient_problem()
+    plan = Schedule([0, 1], [2, 3, 4, 5, 6], {tid["x"]: 4})  # x brought back before W, at the end
+    before = simulate(problem, plan)
+    assert before.peak_bytes == MB + 1024 + 4 * MB + 2 * MB + 2 * MB  # at A2: w, tangent, g, a1, a2
+    found = refine_order(problem, plan, time_limit_s=5.0, workers=1)
+    after = simulate(problem, found)
+    assert found.bw_order.index(6) < found.bw_order.index(4)  # W before A2
+    assert found.offload == {tid["x"]: found.bw_order.index(6)}  # x still offloaded, back just before W
+    assert after.peak_bytes == MB + 1024 + 4 * MB + MB + 1024  # at W: w, tangent, g, x back, dw; g then dies

@@ -4,7 +4,9 @@ Steps outside [a, b) keep their places. Inside, any order that respects the
 window's own data dependencies is allowed. Storages made before the window and
 read inside it live from the window's start to their last reader inside (or
 through the window, if read later); storages made inside live from their
-producer to their last reader (or through the window). Storages that only pass
+producer to their last reader (or through the window). A copy brought back from the
+host inside the window counts from its first reader there (its copy back is issued
+again ahead of that reader: `search/reorder.py`). Storages that only pass
 through are a constant. Reuse of dying inputs is ignored here (the model counts
 a little more than the simulator), and the simulator decides whether to keep the
 new order. This is how the backward gets reordered: autograd's order can hold
@@ -44,6 +46,9 @@ def reorder_window(
                 m.Add(pos[producer_at[key]] < pos[i])
     intervals, demands, fixed = [], [], 0
     for key, (s, e) in sim.spans.items():
+        ev = None if key[1] else sim.offloads.get(key[0])
+        if ev is not None and a >= sim.n_forward_steps:  # the backward: only the copy brought back counts
+            s = ev.prefetch
         if e < a or s >= b:
             continue
         nbytes = problem.tensors[key[0]].bytes
@@ -54,6 +59,9 @@ def reorder_window(
             fixed += units  # passes through
             continue
         start = pos[producer_at[key]] if made_inside else 0
+        if ev is not None and s >= a and inside_readers and not made_inside:  # brought back for its first reader
+            start = m.NewIntVar(0, n - 1, f"back{key}")
+            m.AddMinEquality(start, [pos[i] for i in inside_readers])
         t = problem.tensors[key[0]]
         # a seed the backward frees (TANGENT_FREED) lives to its last reader, like an activation
         pinned = t.kind not in (TensorKind.ACTIVATION, TensorKind.TANGENT_FREED) or (t.id in problem.visible and not key[1])

@@ -17,6 +17,7 @@ from ..model.simulator import ScheduleError, SimResult, simulate
 log = logging.getLogger(__name__)
 
 NOTHING_FITS = -1  # a budget no plan meets: `better` under it orders by peak, then time
+NEAR = 0.02  # a plan over the budget by at most this share is kept when it is faster than every plan that fits
 
 
 def fits(sim: SimResult, budget: int | None) -> bool:
@@ -61,6 +62,7 @@ class Incumbent:
         self.problem, self.budget = problem, budget
         self.best: Candidate | None = None  # fits the budget
         self.lowest: Candidate | None = None  # lowest peak, fits or not
+        self.near: Candidate | None = None  # the fastest plan just over the budget (NEAR), faster than `best`
 
     @property
     def start(self) -> Candidate | None:
@@ -87,7 +89,17 @@ class Incumbent:
             self.best = cand
         if better(sim, self.lowest and self.lowest.sim, NOTHING_FITS):
             self.lowest = cand
+        if self._near(sim):
+            self.near = cand
+        if self.near is not None and self.best is not None and self.best.sim.time_s <= self.near.sim.time_s:
+            self.near = None
         return cand
+
+    def _near(self, sim: SimResult) -> bool:
+        """Over the budget by at most NEAR, and faster than any plan kept that fits or is near."""
+        if self.budget is None or fits(sim, self.budget) or sim.peak_bytes > self.budget * (1 + NEAR):
+            return False
+        return all(c is None or sim.time_s < c.sim.time_s for c in (self.best, self.near))
 
     def _wins_tie(self, cand: Candidate) -> bool:
         """A model's plan replaces an equal heuristic one (its stats say more)."""

@@ -84,7 +84,7 @@ def offload_towards(problem: Problem, schedule: Schedule, budget: int,
         for t in _offloadable_at_peak(problem, sim, host_cap - sim.host_bytes)[:CANDIDATES_PER_ROUND]:
             for lead in LEADS:
                 offload = {**sched.offload, t: prefetch_position(problem, sim, t, lead)}
-                trial = Schedule(sched.fw_order, sched.bw_order, offload)
+                trial = Schedule(sched.fw_order, sched.bw_order, offload, sched.formed)
                 tsim = simulate(problem, trial)
                 freed = sim.peak_bytes - tsim.peak_bytes
                 if freed <= 0 and tsim.peak_step == sim.peak_step:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..cpsat.window import reorder_window
 from ..model.problem import Problem, Schedule
-from ..model.simulator import simulate
+from ..model.simulator import SimResult, simulate
 from ..model import clock
 
 
@@ -21,7 +21,9 @@ def refine_order(
     """Reorder the window around the current peak while that lowers the simulated peak.
 
     Windows never cross from the forward into the backward. Time is unchanged by
-    reordering, so the result is never slower than `schedule`.
+    reordering, so the result is never slower than `schedule`, but for copies back from the host
+    (`schedule.offload`), issued again as far ahead of their first reader as before: one that waits
+    longer may cost time, and a plan that fits keeps its time only where no copy does.
     """
     deadline = clock.now() + time_limit_s
     sim = simulate(problem, schedule)
@@ -34,9 +36,7 @@ def refine_order(
             new = reorder_window(problem, sim, a, b, time_limit_s=min(left, 2.0), workers=workers)
             if new is None:
                 continue
-            steps = sim.steps[:a] + new + sim.steps[b:]
-            n_fw = sim.n_forward_steps
-            cand = Schedule([o for o, _ in steps[:n_fw]], [o for o, _ in steps[n_fw:]])
+            cand = reordered(problem, schedule, sim, a, b, new)
             csim = simulate(problem, cand)
             if csim.peak_bytes < sim.peak_bytes:
                 schedule, sim, improved = cand, csim, True
@@ -44,6 +44,49 @@ def refine_order(
         if not improved:
             break
     return schedule
+
+
+def reordered(problem: Problem, schedule: Schedule, sim: SimResult, a: int, b: int,
+              new: list[tuple[int, bool]]) -> Schedule:
+    """`schedule` with steps [a, b) run in the order `new`. A copy back from the host issued inside the
+    window is issued again the same number of steps ahead of its first reader (within the window); one
+    issued outside keeps its place. Fusion options formed across the window are left unformed when
+    their members no longer run together."""
+    steps = sim.steps[:a] + new + sim.steps[b:]
+    n_fw = sim.n_forward_steps
+    bw = [o for o, _ in steps[n_fw:]]
+    offload = dict(schedule.offload)
+    if offload and a >= n_fw:
+        readers = _first_readers(problem, steps, a, b, offload)
+        for t in schedule.offload:
+            ev = sim.offloads.get(t)
+            if ev is None or not a <= ev.prefetch < b or t not in readers:
+                continue
+            offload[t] = max(a, readers[t] - (ev.first_read - ev.prefetch)) - n_fw
+    at = {step: k for k, step in enumerate(steps)}
+    formed = tuple(i for i in schedule.formed if _together(problem.fusion_options[i].members, at))
+    return Schedule([o for o, _ in steps[:n_fw]], bw, offload, formed)
+
+
+def _first_readers(problem: Problem, steps: list[tuple[int, bool]], a: int, b: int, offload: dict[int, int]
+                   ) -> dict[int, int]:
+    """Per offloaded tensor, the first step in [a, b) that reads its stored (not recomputed) copy."""
+    first: dict[int, int] = {}
+    for k in range(a, b):
+        o, _rc = steps[k]
+        for t in problem.ops[o].inputs:
+            if t in offload and t not in first:
+                first[t] = k
+    return first
+
+
+def _together(members: tuple[int, ...], at: dict[tuple[int, bool], int]) -> bool:
+    """Each copy (computed, recomputed) of a fusion option's members runs in consecutive steps (`at`: step -> k)."""
+    for rc in (False, True):
+        ks = sorted(at[(o, rc)] for o in members if (o, rc) in at)
+        if ks and ks[-1] - ks[0] + 1 != len(ks):
+            return False
+    return True
 
 
 def _windows(k: int, n_fw: int, n: int, w: int) -> list[tuple[int, int]]:

@@ -217,7 +217,7 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
         if mapped is not None:
             copies.append((target_old, mapped, map_offloads(problem, moved, fw_map),
                            map_fusion(problem, fusion, old_index, target_old)))
-    if len(copies) > 1 and moved is None:
+    if len(copies) > 1:
         at_once = _all_copies(problem, sim, copies)
         if at_once is not None:
             try:
@@ -246,13 +246,13 @@ def _copy_to_siblings(problem, groups: Groups, sched: Schedule, sim: SimResult, 
 
 
 def _all_copies(problem: Problem, sim: SimResult, copies: list) -> Schedule | None:
-    """The plan of `sim` with every copy made (no offload decided by them), None where one's run is not found.
+    """The plan of `sim` with every copy made (their offloads too), None where one's run is not found.
     Each splice needs only the steps, offloads and formed options of the plan before it: those of the last
     schedule stand in for a simulation (`_Steps`)."""
     plan = sim
     sched = None
-    for target_old, mapped, _offloads, fused in copies:
-        sched = replace_run(problem, plan, target_old, mapped, None, fusion=fused)
+    for target_old, mapped, offloads, fused in copies:
+        sched = replace_run(problem, plan, target_old, mapped, offloads, fusion=fused)
         if sched is None:
             return None
         plan = _Steps.of(problem, sched)

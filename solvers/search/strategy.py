@@ -86,6 +86,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.OFFLOAD, 0.15),  # offloading allowed: the greedy ladder
     (moves.SEGMENTS, 0.35),  # budgeted training: replan segments, copied to repeated blocks
     (moves.CHAIN_MOVE, 0.15),  # 3+ repeated blocks: per-block options combined along the chain
+    (moves.REORDER_LOWEST, 0.1),  # nothing fits, offloads: reorder around the lowest plan's copies
     (AIM_LOWER, REST),  # nothing fits yet: the portfolio again at reachable budgets, down from the lowest peak
     (moves.FUSION, 0.05),  # fusion options the search left unformed
     (moves.CERTIFY, 0.10),  # the bound and status of the plan returned

@@ -11,7 +11,10 @@ seconds on this machine:
   ``time_limit_s`` bounds; ``plan_over_limit`` the worst program's wall seconds over its limit;
 - ``first_call_s``: the whole first call: capture, op timing, solving, fusion compilation, lowering, the step.
 
-``plan_over_limit`` is the check (at most 1.2). Then every run that raised ``BudgetInfeasibleError`` at T runs
+``llama-7b-80``: Llama-7B's layer x 80 (benchmarks/scaling_llama.py's model, batch 4 x 4096) planned by
+``plan_offline`` for the h100 profile on fake tensors at the default time limit (``time_limit_s=None``: 30 s at
+this size), its first call being capture + planning. ``plan_over_limit`` is the check (at most 1.2). Then every
+run that raised ``BudgetInfeasibleError`` at T runs
 again at 4T: does the lowest peak found change? Deterministic mode counts work, not seconds
 (solvers/model/clock.py): each program's units of work and wall seconds are kept, and ``fit`` refits the clock's
 table (solvers/model/calibration.py) on them by least squares (benchmarks/calibration_fit.py) beside the
@@ -39,7 +42,9 @@ from benchmarks.meta import with_meta
 
 MIB = 2**20
 RESULTS_JSON = Path(__file__).parent / "results" / "planning_time.json"
-DEFAULT_CASES = ("gpt", "gpt2-labels", "llama-labels", "llama-outside", "vit", "transformer-encoder", "checkpoint")
+DEFAULT_CASES = ("gpt", "gpt2-labels", "llama-labels", "llama-outside", "vit", "transformer-encoder", "checkpoint",
+                 "llama-7b-80")
+OFFLINE = {"llama-7b-80": 80}  # planned offline (fake tensors, h100 profile, default limit): case -> Llama-7B layers
 CHUNKED = ("gpt", "gpt2-labels", "llama-labels")  # an LM head + cross-entropy inside the step: chunking=True
 BUDGETS = ("60%", "40%")
 SLACK = 1.2  # the issue's allowance over T
@@ -111,6 +116,36 @@ def plan_one(step, budget: str, limit: float, chunked: bool) -> dict:
     return row
 
 
+def plan_offline_one(layers: int, budget: str) -> dict:
+    """Llama-7B's layer x `layers` planned by plan_offline at the default limit: what scaling_llama.py runs."""
+    from benchmarks.models import llama
+    from benchmarks.scaling_llama import MODEL
+    from optsched.compiler.offline import plan_offline
+
+    cfg = llama.Config(**MODEL, n_layer=layers)
+    row: dict = {"budget": budget, "time_limit_s": None, "chunking": False, "offline": "h100"}
+    timings: dict = {}
+    t0 = time.perf_counter()
+    with PlanningAccounts() as accounts:
+        try:
+            plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, 4, 4096), budget,
+                                device_profile="h100", timings=timings)
+            s = plan.summary()
+            row.update(fits=True, predicted_peak_bytes=s["predicted_peak_bytes"], status=s["solver_status"],
+                       method=s["method"], chunks={}, n_fusion_groups=0, time_ratio=s["time_ratio"])
+        except optsched.BudgetInfeasibleError as e:
+            row.update(fits=False, lowest_peak_bytes=e.lowest_peak_bytes, lower_bound_bytes=e.lower_bound_bytes,
+                       proven=e.proven, error=type(e).__name__)
+    row["first_call_s"] = time.perf_counter() - t0
+    row["capture_s"] = timings.get("capture_s")
+    row["programs"] = accounts.programs()
+    row["time_limit_s"] = max((p["limit_s"] for p in row["programs"]), default=None)
+    row["plan_s"] = sum(p["wall_s"] for p in row["programs"])
+    row["plan_over_limit"] = max((p["wall_s"] / p["limit_s"] for p in row["programs"]), default=0.0)
+    gc.collect()
+    return row
+
+
 def _line(name: str, r: dict) -> str:
     got = (f"fits {r['predicted_peak_bytes'] / MIB:.2f} MiB" if r["fits"]
            else f"infeasible, lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB")
@@ -155,8 +190,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict = {"time_limit_s": args.limit, "slack": SLACK, "threads": torch.get_num_threads(), "cases": []}
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:
-        step = _step(name)
         case = {"case": name, "rows": [], "longer": []}
+        if name in OFFLINE:
+            for budget in BUDGETS:
+                case["rows"].append(plan_offline_one(OFFLINE[name], budget))
+                print(_line(name, case["rows"][-1]), flush=True)
+            out["cases"].append(case)
+            continue
+        step = _step(name)
         for budget in BUDGETS:
             r = plan_one(step, budget, args.limit, name in CHUNKED)
             print(_line(name, r), flush=True)

@@ -14,9 +14,6 @@ from optsched.measure import live_bytes, measure_peak
 from optsched.planning.optimizer_step import optimizer_state, update_scratch_bytes
 from optsched.solvers import BudgetInfeasibleError
 
-# the caller's cross-entropy is an estimate (costs/problem_builder.caller_loss_bytes): its index and scalar
-# temporaries are not in it
-CALLER_SLACK = 16 * 1024
 
 
 def gpt_step(device_profile: str | None = "cpu", time_limit_s: float = 3, **optimize_args):
@@ -47,10 +44,10 @@ def test_whole_step_peak_is_predicted_and_within_budget():
     assert state == sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values())
     assert sum(t.bytes for t in plan.problem.tensors if t.name.endswith("(optimizer state)")) == state
     predicted = plan.predicted_peak_bytes  # the update after the backward included
-    start = live_bytes(model, batch, list(opt.state.values()))
+    start = live_bytes(model, batch[0], list(opt.state.values()))  # the targets are the caller's: not in the budget
     measured = start + measure_peak(step).peak_bytes
     assert measured <= plan.budget_bytes
-    assert abs(measured - predicted) <= CALLER_SLACK, (measured, predicted)
+    assert measured == predicted
     assert om.plan is plan
 
 
@@ -87,65 +84,54 @@ def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), foreach=False)
 
 
-@pytest.mark.slow
-def test_updates_in_the_backward_fit_where_the_update_after_it_cannot():
-    """The GPT step (AdamW) at a budget below every plan with the update after the backward (its proven bound):
-    the planner updates parameters inside the backward; the allocator's peak of the whole step is the plan's,
-    within the budget; parameters and state after 3 steps equal eager's, bitwise. Op costs measured: the kernels'
-    scratch space (attention's backward) is in the prediction."""
+def gpt_below_the_bound(fraction: float, time_limit_s: float = 10, **optimize_args):
+    """The GPT step (AdamW, loss outside, op costs measured) at `fraction` of the proven bound of every plan with the
+    update after the backward (`optimize_args` given to both): the allocator's peak of the whole step is the plan's
+    and within the budget; parameters and state after 3 steps equal eager's, bitwise. Returns the plan."""
     x, y = gpt.make_batch(gpt.GPTConfig(), batch_size=8)
     loss = lambda om: F.cross_entropy(om(x).flatten(0, 1), y.flatten())
-    bound = bound_after_backward(lambda: gpt.LogitsGPT(gpt.GPTConfig()), adamw, lambda om: loss(om).backward(), None)
-    budget = bound - 1
-    step, model, opt, om, batch = gpt_step(None, mem_budget=budget, time_limit_s=10)
+    bound = bound_after_backward(lambda: gpt.LogitsGPT(gpt.GPTConfig()), adamw, lambda om: loss(om).backward(), None,
+                                 **optimize_args)
+    budget = int(fraction * bound) - (fraction == 1)
+    step, model, opt, om, batch = gpt_step(None, mem_budget=budget, time_limit_s=time_limit_s, **optimize_args)
     torch.manual_seed(0)
     ref = gpt.LogitsGPT(gpt.GPTConfig())
     ref_opt = adamw(ref)
     step()
     plan = om.plan
-    assert plan.updates_in_backward and "blocks.0.attn.c_attn.weight" in plan.updates_in_backward
-    assert plan.summary()["updates_in_backward"] == plan.updates_in_backward
-    start = live_bytes(model, batch, list(opt.state.values()))
+    start = live_bytes(model, batch[0], list(opt.state.values()))  # the targets are the caller's: not in the budget
     measured = start + measure_peak(step).peak_bytes
     assert measured <= budget
-    assert abs(measured - plan.predicted_peak_bytes) <= CALLER_SLACK, (measured, plan.predicted_peak_bytes)
+    assert measured == plan.predicted_peak_bytes
     step()
     for _ in range(3):
         F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     assert_same_training(model, opt, ref, ref_opt)
+    return plan
+
+
+@pytest.mark.slow
+def test_updates_in_the_backward_fit_where_the_update_after_it_cannot():
+    """Just below the bound of the update after the backward, the planner updates parameters inside the backward
+    (measured = predicted, training as eager's: `gpt_below_the_bound`). The kernels' scratch space (attention's
+    backward) is in the prediction."""
+    plan = gpt_below_the_bound(1.0)
+    assert plan.updates_in_backward and "blocks.0.attn.c_attn.weight" in plan.updates_in_backward
+    assert plan.summary()["updates_in_backward"] == plan.updates_in_backward
 
 
 @pytest.mark.slow
 def test_updates_in_the_backward_and_offloading_go_10_percent_below_the_bound_of_the_update_after_it():
-    """Issue 36's item 1: the GPT step (AdamW, loss outside) fits 10% below the proven bound of every plan with the
-    update after the backward (offloading allowed to both), measured = predicted, training as eager's after 3
-    steps. What crosses to the caller's loss goes to the host; the first block's backward then holds a 4 MiB
+    """Issue 36's item 1: 10% below the bound of every plan with the update after the backward (offloading allowed
+    to both). What crosses to the caller's loss goes to the host; the first block's backward then holds a 4 MiB
     gradient while a weight gradient waits for a copy back unless the search reorders around the copies
-    (search/moves.reorder_lowest): 54.51 MiB without, 53.31 with, against a 54.46 MiB budget."""
-    x, y = gpt.make_batch(gpt.GPTConfig(), batch_size=8)
-    loss = lambda om: F.cross_entropy(om(x).flatten(0, 1), y.flatten())
-    bound = bound_after_backward(lambda: gpt.LogitsGPT(gpt.GPTConfig()), adamw, lambda om: loss(om).backward(), None,
-                                 offload=True)
-    budget = int(0.9 * bound)
-    step, model, opt, om, batch = gpt_step(None, mem_budget=budget, time_limit_s=10, offload=True)
-    torch.manual_seed(0)
-    ref = gpt.LogitsGPT(gpt.GPTConfig())
-    ref_opt = adamw(ref)
-    step()
-    plan = om.plan
+    (search/moves.reorder_lowest): 54.51 MiB without, 53.31 with, against a 54.46 MiB budget; its window model counts
+    a copy back from as far ahead of its reader as it is issued, and an input its reader's output takes over (it had
+    left plans 0.02 MiB over in one run of three)."""
+    plan = gpt_below_the_bound(0.9, offload=True)
     assert plan.updates_in_backward and plan.summary()["n_offloaded"] > 0
-    start = live_bytes(model, batch, list(opt.state.values()))
-    measured = start + measure_peak(step).peak_bytes
-    assert measured <= budget
-    assert abs(measured - plan.predicted_peak_bytes) <= CALLER_SLACK, (measured, plan.predicted_peak_bytes)
-    step()
-    for _ in range(3):
-        F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    assert_same_training(model, opt, ref, ref_opt)
 
 
 def test_updates_in_the_backward_peak_is_predicted():
@@ -163,7 +149,8 @@ def test_updates_in_the_backward_peak_is_predicted():
     assert set(plan.updates_in_backward) == {n for n, _ in model.named_parameters()}
     measured = live_bytes(model, x, list(opt.state.values())) + measure_peak(step).peak_bytes
     assert measured <= bound - 1
-    assert abs(measured - plan.predicted_peak_bytes) <= CALLER_SLACK, (measured, plan.predicted_peak_bytes)
+    # the caller's loss (a mean of squares) is estimated: its scalars counted, one more than it makes
+    assert 0 <= plan.predicted_peak_bytes - measured <= 16, (measured, plan.predicted_peak_bytes)
     assert om.plan is plan
 
 

@@ -5,11 +5,12 @@ window's own data dependencies is allowed. Storages made before the window and
 read inside it live from the window's start to their last reader inside (or
 through the window, if read later); storages made inside live from their
 producer to their last reader (or through the window). A copy brought back from the
-host inside the window counts from its first reader there (its copy back is issued
-again ahead of that reader: `search/reorder.py`). Storages that only pass
-through are a constant. Reuse of dying inputs is ignored here (the model counts
-a little more than the simulator), and the simulator decides whether to keep the
-new order. This is how the backward gets reordered: autograd's order can hold
+host inside the window counts from as many steps ahead of its first reader there as
+it was issued before (it is issued again so: `search/reorder.py`). Storages that only pass
+through are a constant. An input the simulator lets its one reader's output take over
+(reuse) ends before that reader in any order; other reuse is ignored (the model
+counts a little more than the simulator), and the simulator decides whether to keep
+the new order. This is how the backward gets reordered: autograd's order can hold
 three large tensors where two would do.
 """
 
@@ -44,6 +45,8 @@ def reorder_window(
             readers.setdefault(key, []).append(i)
             if key in producer_at and producer_at[key] != i:
                 m.Add(pos[producer_at[key]] < pos[i])
+    _writes_after_reads(problem, steps, pos, m)
+    handed = {(sim.reused[a + i], i) for i in range(n) if a + i in sim.reused}  # (input, step taking its storage)
     intervals, demands, fixed = [], [], 0
     for key, (s, e) in sim.spans.items():
         ev = None if key[1] else sim.offloads.get(key[0])
@@ -59,14 +62,18 @@ def reorder_window(
             fixed += units  # passes through
             continue
         start = pos[producer_at[key]] if made_inside else 0
-        if ev is not None and s >= a and inside_readers and not made_inside:  # brought back for its first reader
+        if ev is not None and s >= a and inside_readers and not made_inside:  # brought back ahead of its first reader
+            first = m.NewIntVar(0, n - 1, f"first{key}")
+            m.AddMinEquality(first, [pos[i] for i in inside_readers])
             start = m.NewIntVar(0, n - 1, f"back{key}")
-            m.AddMinEquality(start, [pos[i] for i in inside_readers])
+            m.AddMaxEquality(start, [first - (ev.first_read - ev.prefetch), m.NewConstant(0)])
         t = problem.tensors[key[0]]
         # a seed the backward frees (TANGENT_FREED) lives to its last reader, like an activation
         pinned = t.kind not in (TensorKind.ACTIVATION, TensorKind.TANGENT_FREED) or (t.id in problem.visible and not key[1])
         if pinned:  # inputs, tangents and outputs live to a fixed step, whatever the order
             ends = [m.NewConstant(min(n, e - a + 1))]
+        elif len(inside_readers) == 1 and e < b and (key[0], inside_readers[0]) in handed:
+            ends = [pos[inside_readers[0]]]  # dies at its one reader, whose output takes its storage, in any order
         else:
             ends = [pos[i] + 1 for i in inside_readers]
             if e >= b:
@@ -91,3 +98,13 @@ def reorder_window(
     if order == list(range(n)):
         return None
     return [steps[i] for i in order]
+
+
+def _writes_after_reads(problem: Problem, steps: list[tuple[int, bool]], pos: list, m: cp_model.CpModel) -> None:
+    """An op that overwrites an input (an optimizer's update: `Op.writes`) runs after every step of the window
+    reading it, as the simulator requires."""
+    for i, (o, _rc) in enumerate(steps):
+        for t in problem.ops[o].writes:
+            for j, (r, _) in enumerate(steps):
+                if j != i and t in problem.ops[r].inputs:
+                    m.Add(pos[j] < pos[i])

@@ -12,7 +12,8 @@ are read (instead of the forward's copies) by every later backward step; `offloa
   earlier in the backward, or the recomputed copy of an activation made earlier in the backward;
 - every use has a live producer: a backward read of a forward activation uses its recomputed copy when its
   producer was recomputed before, else the forward copy, which the forward made (and which must not be on
-  the host: see offloads);
+  the host: see offloads); an activation the backward recomputes has no forward copy there (the lowered
+  backward receives none), so no backward step reads it before its recomputation;
 - recomputations have their inputs (the same rule: a recomputation reads what exists at its position);
 - offloads: only offloadable activations made in the forward and read back in the backward (from their
   forward copy) are offloaded, to a problem with host bandwidth and within its host budget; each comes back
@@ -98,6 +99,8 @@ def violations(problem: Problem, schedule: Schedule) -> list[str]:
                     out.append(f"backward step {j} ({op.name}) reads {tensor.name} before its producer ran")
             elif t in recomputed_copy:
                 pass  # the recomputed copy
+            elif producer in recomputed:
+                out.append(f"backward step {j} ({op.name}) reads {tensor.name} before its recomputation")
             elif t in made_fw:
                 forward_copy_reads.setdefault(t, []).append(j)
             else:

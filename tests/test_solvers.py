@@ -390,6 +390,21 @@ def test_simulator_rejects_reading_a_value_the_schedule_never_made():
         simulate(p, Schedule([1, 2], [0, 3, 4, 5]))
 
 
+def test_nothing_reads_a_recomputed_value_before_its_recomputation():
+    """The backward recomputes mm after act_bw read mm's output: the lowered backward has no forward copy of a
+    value it recomputes (lower/programs.py refuses it), so the simulator and the independent checker refuse the
+    plan; recomputed before act_bw, it runs."""
+    from tests.schedule_checker import violations
+
+    p = tiny_training_problem()
+    before = Schedule([0, 1, 2], [3, 0, 4, 5])
+    assert simulate(p, before).recomputed_ops == [0] and violations(p, before) == []
+    after = Schedule([0, 1, 2], [3, 4, 0, 5])
+    with pytest.raises(ScheduleError, match="reads 'mm.0' before its recomputation"):
+        simulate(p, after)
+    assert any("before its recomputation" in v for v in violations(p, after))
+
+
 def _with_update(problem: Problem, writes: tuple[int, ...] = (1,), reads: tuple[int, ...] = (8, 1)) -> Problem:
     """`tiny_training_problem` with an optimizer update last: it reads gw and w and writes w in place."""
     update = Op(len(problem.ops), "update", Phase.BW, reads, (), time_s=0.1, recomputable=False, writes=writes)

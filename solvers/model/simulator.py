@@ -155,9 +155,10 @@ def _walk(problem: Problem, steps: list[tuple[int, bool]], n_fw: int) -> _Walk:
     """Per-step liveness bookkeeping: each read extends the copy it reads to that step, each
     output starts a copy; a tensor made twice (by the same kind of step) is an error."""
     walk = _Walk(_held_from_start(problem, n_fw, last=max(len(steps) - 1, 0)))
+    recomputed = {o for o, is_rc in steps[n_fw:] if is_rc}
     for k, (o, is_rc) in enumerate(steps):
         op = problem.ops[o]
-        walk.reads.append(_read_inputs(problem, walk, k, o, n_fw))
+        walk.reads.append(_read_inputs(problem, walk, k, o, n_fw, recomputed))
         if is_rc:
             walk.recompute_pos[o] = k
             walk.recompute_s += op.time_s
@@ -184,13 +185,20 @@ def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, 
     return span
 
 
-def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int) -> list[tuple[int, bool]]:
+def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int,
+                 recomputed: set[int] = frozenset()) -> list[tuple[int, bool]]:
     """Step `k`'s reads, each copy's span extended to `k`. Recompute handling: in the backward, a
-    tensor whose producer was recomputed earlier is read from the recomputed copy."""
+    tensor whose producer was recomputed earlier is read from the recomputed copy; one whose producer is
+    recomputed later (`recomputed`: every op the backward recomputes) may not be read before it: the lowered
+    backward has no other copy of it (lower/programs.py refuses the plan)."""
     op = problem.ops[o]
     reads = []
     for t in op.inputs:
-        key = (t, k >= n_fw and problem.tensors[t].producer in walk.recompute_pos)
+        producer = problem.tensors[t].producer
+        if k >= n_fw and producer in recomputed and producer not in walk.recompute_pos:
+            raise ScheduleError(f"backward step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before its "
+                                "recomputation")
+        key = (t, k >= n_fw and producer in walk.recompute_pos)
         reads.append(key)
         if key not in walk.span or walk.span[key][0] > k:
             where = "backward" if k >= n_fw else "forward"

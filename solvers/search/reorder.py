@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 
 from ..cpsat.window import reorder_window
-from ..model.problem import Problem, Schedule
+from ..model.problem import Problem, Schedule, ScheduleError, reject
 from ..model.simulator import SimResult, simulate
 from ..model import clock
+
+log = logging.getLogger(__name__)
 
 
 def refine_order(
@@ -37,7 +40,11 @@ def refine_order(
             if new is None:
                 continue
             cand = reordered(problem, schedule, sim, a, b, new)
-            csim = simulate(problem, cand)
+            try:
+                csim = simulate(problem, cand)
+            except ScheduleError as e:  # an order the window model allowed and the replay does not
+                reject(log, "candidate(s) rejected in window reordering", e)
+                continue
             if csim.peak_bytes < sim.peak_bytes:
                 schedule, sim, improved = cand, csim, True
                 break

@@ -92,9 +92,8 @@ def early_segments(ctx: Context, inc: Incumbent, deadline: float) -> None:
     """Tight budgets: from the program as captured (whole-program models there tend to recompute the chain
     between blocks, which this never does)."""
     found, _cut = improve_by_segments(ctx.problem, default_schedule(ctx.problem), ctx.budget, deadline=deadline,
-                                      workers=ctx.workers, offload=ctx.offload)
-    inc.offer(found, "segment search (order, save/recompute and offload per block)" if ctx.offload
-              else "segment search (order and save/recompute per block)")
+                                      workers=ctx.workers)
+    inc.offer(found, "segment search (order and save/recompute per block)")
 
 
 def interval_model(ctx: Context, inc: Incumbent, deadline: float) -> None:

@@ -186,7 +186,7 @@ def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, 
 
 
 def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int,
-                 recomputed: set[int] = frozenset()) -> list[tuple[int, bool]]:
+                 recomputed: set[int]) -> list[tuple[int, bool]]:
     """Step `k`'s reads, each copy's span extended to `k`. Recompute handling: in the backward, a
     tensor whose producer was recomputed earlier is read from the recomputed copy; one whose producer is
     recomputed later (`recomputed`: every op the backward recomputes) may not be read before it: the lowered

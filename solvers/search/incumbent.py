@@ -62,7 +62,7 @@ class Incumbent:
         self.problem, self.budget = problem, budget
         self.best: Candidate | None = None  # fits the budget
         self.lowest: Candidate | None = None  # lowest peak, fits or not
-        self.near: Candidate | None = None  # the fastest plan just over the budget (NEAR), faster than `best`
+        self._near: Candidate | None = None  # the fastest plan just over the budget (NEAR)
 
     @property
     def start(self) -> Candidate | None:
@@ -89,17 +89,16 @@ class Incumbent:
             self.best = cand
         if better(sim, self.lowest and self.lowest.sim, NOTHING_FITS):
             self.lowest = cand
-        if self._near(sim):
-            self.near = cand
-        if self.near is not None and self.best is not None and self.best.sim.time_s <= self.near.sim.time_s:
-            self.near = None
+        if (self.budget is not None and not fits(sim, self.budget) and sim.peak_bytes <= self.budget * (1 + NEAR)
+                and (self._near is None or sim.time_s < self._near.sim.time_s)):
+            self._near = cand
         return cand
 
-    def _near(self, sim: SimResult) -> bool:
-        """Over the budget by at most NEAR, and faster than any plan kept that fits or is near."""
-        if self.budget is None or fits(sim, self.budget) or sim.peak_bytes > self.budget * (1 + NEAR):
-            return False
-        return all(c is None or sim.time_s < c.sim.time_s for c in (self.best, self.near))
+    @property
+    def near(self) -> Candidate | None:
+        """The fastest plan over the budget by at most NEAR, while no plan that fits is as fast."""
+        n = self._near
+        return n if n is not None and (self.best is None or n.sim.time_s < self.best.sim.time_s) else None
 
     def _wins_tie(self, cand: Candidate) -> bool:
         """A model's plan replaces an equal heuristic one (its stats say more)."""

@@ -8,6 +8,7 @@ from ..cpsat.window import reorder_window
 from ..model.problem import Problem, Schedule, ScheduleError, reject
 from ..model.simulator import SimResult, simulate
 from ..model import clock
+from .segments import still_consecutive
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,8 @@ def reordered(problem: Problem, schedule: Schedule, sim: SimResult, a: int, b: i
             if ev is None or not a <= ev.prefetch < b or t not in readers:
                 continue
             offload[t] = max(a, readers[t] - (ev.first_read - ev.prefetch)) - n_fw
-    at = {step: k for k, step in enumerate(steps)}
-    formed = tuple(i for i in schedule.formed if _together(problem.fusion_options[i].members, at))
-    return Schedule([o for o, _ in steps[:n_fw]], bw, offload, formed)
+    fw = [o for o, _ in steps[:n_fw]]
+    return Schedule(fw, bw, offload, tuple(i for i in schedule.formed if still_consecutive(problem, i, fw, bw)))
 
 
 def _first_readers(problem: Problem, steps: list[tuple[int, bool]], a: int, b: int, offload: dict[int, int]
@@ -85,15 +85,6 @@ def _first_readers(problem: Problem, steps: list[tuple[int, bool]], a: int, b: i
             if t in offload and t not in first:
                 first[t] = k
     return first
-
-
-def _together(members: tuple[int, ...], at: dict[tuple[int, bool], int]) -> bool:
-    """Each copy (computed, recomputed) of a fusion option's members runs in consecutive steps (`at`: step -> k)."""
-    for rc in (False, True):
-        ks = sorted(at[(o, rc)] for o in members if (o, rc) in at)
-        if ks and ks[-1] - ks[0] + 1 != len(ks):
-            return False
-    return True
 
 
 def _windows(k: int, n_fw: int, n: int, w: int) -> list[tuple[int, int]]:

@@ -174,7 +174,7 @@ def measure_plan(opt, step, row: dict, eager: dict, eager_grads: dict, repeat: i
             row.update(_plan_fields(opt.plan))
             row["plan_s"] += first_s
         stage = "measure"
-        m = zoo._measure(call, step.module, step.inputs, seed)
+        m = zoo._measure(call, step, seed)
         row.update({
             "measured_peak_bytes": m.peak_bytes,
             "within_budget": m.peak_bytes <= budget,
@@ -292,8 +292,8 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
 
 def eager_reference(step, seed: int = 0) -> tuple[dict, dict]:
     zoo = _zoo()
-    m = zoo._measure(step.call, step.module, step.inputs, seed)
-    m2 = zoo._measure(step.call, step.module, step.inputs, seed)
+    m = zoo._measure(step.call, step, seed)
+    m2 = zoo._measure(step.call, step, seed)
     eager = {"measured_peak_bytes": m.peak_bytes, "loss": m.loss.item(),
              "param_bytes": sum(p.numel() * p.element_size() for p in step.module.parameters()),
              "repeat_grad_diff": zoo._max_grad_diff(m.grads, m2.grads), "repeat_peak_bytes": m2.peak_bytes}

@@ -10,7 +10,9 @@
   its reduce-scatter after), which stay eager. The per-rank budget counts this rank's parameter and gradient
   shards, the all-gathered parameters of the running block and the one prefetched, the all-gather and
   reduce-scatter buffers, the root's activations and every block's saved activations (`FSDPMemory`); the block
-  plan is the fastest that fits it, the solver's or a whole-block schedule (`choose_block_plan`).
+  plan is the fastest that fits it, the solver's or a whole-block schedule (`choose_block_plan`). With
+  `optimizer=` (a factory, called on the sharded parameters) the whole step: the optimizer's state over this
+  rank's shards all along, and its update after the backward (`model.optimizer.step()`).
 
 All ranks must call these functions together (they are collectives). See docs/distributed.md.
 """
@@ -31,6 +33,7 @@ import torch.distributed as dist
 
 from . import api
 from ._torch import tree_leaves
+from .optim import SUPPORTED, check_supported, describe as describe_optimizer, state_bytes
 from .budget import parse_budget
 from .costs.measure import measure_peak
 from .plans.plan import Plan
@@ -213,15 +216,34 @@ class FSDPMemory:
     root_activations: int  # the root's own activations (embedding, head, loss), measured with stub blocks
     saved_per_block: int = 0  # a block's activations kept from its forward to its backward (its plan's)
     block_peak: int = 0  # the running block's planned peak
+    optimizer_state: int = 0  # the optimizer's state over this rank's shards: live the whole step from step 1 on
+    update_scratch: int = 0  # the temporaries of the optimizer's update (its step() after the backward)
+    optimizer: str = ""  # the optimizer counted (optsched.optim.describe); "" when none is
 
     @property
     def fixed(self) -> int:
         return (self.sharded_params + self.sharded_grads + self.root_params + self.root_grads + self.gather_buffer
-                + self.prefetch + self.reduce_scatter + self.root_activations)
+                + self.prefetch + self.reduce_scatter + self.root_activations + self.optimizer_state)
+
+    @property
+    def backward(self) -> int:
+        """The peak from the forward through the backward: the fixed terms (the optimizer's state among them), the
+        other blocks' saved activations and the running block's peak."""
+        return self.fixed + (self.n_blocks - 1) * self.saved_per_block + self.block_peak
+
+    @property
+    def update(self) -> int:
+        """The peak of the optimizer's update after the backward (0 without an optimizer), when every activation
+        and buffer of the backward is gone: the parameter and gradient shards, the root's parameters and gradients
+        (counted unsharded, an upper bound), the state and the update's temporaries."""
+        if not self.optimizer:
+            return 0
+        return (self.sharded_params + self.sharded_grads + self.root_params + self.root_grads + self.optimizer_state
+                + self.update_scratch)
 
     @property
     def total(self) -> int:
-        return self.fixed + (self.n_blocks - 1) * self.saved_per_block + self.block_peak
+        return max(self.backward, self.update)
 
     def with_block(self, block_peak: int, saved: int) -> FSDPMemory:
         return dataclasses.replace(self, block_peak=block_peak, saved_per_block=saved)
@@ -229,9 +251,14 @@ class FSDPMemory:
     def describe(self) -> str:
         parts = [f"{k} {getattr(self, k) / MiB:.2f}" for k in (
             "sharded_params", "sharded_grads", "root_params", "root_grads", "gather_buffer", "prefetch",
-            "reduce_scatter", "root_activations")]
-        return (f"per rank (MiB): {', '.join(parts)}, {self.n_blocks - 1} x saved_per_block "
-                f"{self.saved_per_block / MiB:.2f}, block_peak {self.block_peak / MiB:.2f}: total {self.total / MiB:.2f}")
+            "reduce_scatter", "root_activations", "optimizer_state")]
+        text = (f"per rank (MiB): {', '.join(parts)}, {self.n_blocks - 1} x saved_per_block "
+                f"{self.saved_per_block / MiB:.2f}, block_peak {self.block_peak / MiB:.2f}")
+        if not self.optimizer:
+            return f"{text}: total {self.total / MiB:.2f}"
+        return (f"{text}: backward {self.backward / MiB:.2f}; the update after it ({self.optimizer}): shards, root "
+                f"parameters and gradients, optimizer_state and update_scratch {self.update_scratch / MiB:.2f}: "
+                f"{self.update / MiB:.2f}; total {self.total / MiB:.2f}")
 
 
 def fsdp_memory(params_by_block: list[list[torch.Tensor]], root_params: list[torch.Tensor], world: int,
@@ -252,6 +279,68 @@ def fsdp_memory(params_by_block: list[list[torch.Tensor]], root_params: list[tor
         prefetch=max((full(ps) for ps in params_by_block), default=0), reduce_scatter=block_full + block_shard,
         root_activations=root_activations,
     )
+
+
+def _shard_stand_in(p: torch.Tensor, world: int) -> torch.Tensor:
+    """A tensor shaped like one rank's FSDP2 shard of `p` (dim 0 padded, as `_shard_bytes`), on `p`'s device and
+    with its dtype and requires_grad, that holds one element (a broadcast view): what the optimizer's accounting
+    reads of a parameter (its size, its device) without allocating the shard."""
+    shape = p.shape if p.dim() == 0 else (math.ceil(p.shape[0] / world), *p.shape[1:])
+    return torch.empty((), dtype=p.dtype, device=p.device).expand(shape).requires_grad_(p.requires_grad)
+
+
+def optimizer_terms(probe: torch.optim.Optimizer, world: int) -> tuple[int, int]:
+    """(state, update temporaries): the bytes per rank of the state `probe` (an optimizer over the unsharded
+    parameters, as the factory builds it) will hold over this rank's shards once it has stepped, and of the
+    temporaries one `step()` over those shards allocates beyond the shards, their gradients and the state.
+
+    The state is `optsched.optim.state_bytes` of an optimizer of the same type and groups over stand-ins shaped
+    like the padded shards (`_shard_stand_in`): each state tensor the shard's bytes, and Adam's `step` a scalar
+    on the CPU unless capturable or fused, as torch makes it. The temporaries are measured once, on CPU replicas
+    of those shards (optsched.planning.optimizer_step.update_scratch_bytes, cached per optimizer type, group
+    options and shard shapes), with `foreach` as torch picks it for the
+    parameters' device (None: a for-loop on the CPU, the foreach kernels on a GPU, where DTensor shards take them).
+    Measured with torch 2.13 on this CPU (gloo, 2 ranks, the tests' GPT: largest shard 8 KiB, all shards 85 KiB),
+    one step over FSDP2's DTensor shards allocated beyond parameters, gradients and state: for-loop AdamW and Adam
+    2 x the largest shard (Adam with weight decay 3 x, amsgrad 2 x), SGD with momentum and weight decay 1 x, with
+    nesterov 2 x; foreach 1 x all shards for each of them; fused a few bytes. The replicas (plain tensors) gave
+    the same bytes in every case. Conservative: the shards are padded ones (the largest any rank holds), and the
+    replicas' per-tensor constants are scaled up with them."""
+    from .planning.optimizer_step import update_scratch_bytes
+
+    groups = []
+    for g in probe.param_groups:
+        foreach = g.get("foreach")
+        if (foreach is None and not g.get("fused") and not g.get("differentiable")
+                and any(p.device.type != "cpu" for p in g["params"])):
+            foreach = True  # off the CPU torch's default for DTensor shards: the foreach kernels (more temporaries)
+        groups.append({**g, "params": [_shard_stand_in(p, world) for p in g["params"]], "foreach": foreach})
+    shards = type(probe)(groups)
+    scratch = update_scratch_bytes(shards)
+    return state_bytes(shards), scratch
+
+
+def _probe_optimizer(factory, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer `factory` builds over the unsharded `params`, to read its type and groups (it has no state
+    before its first step; discarded once counted). TypeError for an optimizer passed instead of a factory."""
+    if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+        what = "an optimizer" if isinstance(factory, torch.optim.Optimizer) else f"a {type(factory).__name__}"
+        raise TypeError(
+            f"optimize_fsdp(optimizer=) takes a factory, not {what}: fully_shard replaces the model's parameters with "
+            "sharded DTensor parameters, so an optimizer built before it holds the unsharded ones and would never update "
+            "the model. Pass a callable that builds it from the parameters it is given, e.g. "
+            "optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3); optimize_fsdp calls it on the sharded "
+            "parameters and returns the optimizer as model.optimizer")
+    probe = factory(list(params))
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise TypeError(f"optimize_fsdp(optimizer=): the factory returned a {type(probe).__name__}, not a "
+                        "torch.optim.Optimizer")
+    check_supported(probe, "optimize_fsdp(optimizer=)")
+    given = {id(p) for p in params}
+    if any(id(p) not in given for g in probe.param_groups for p in g["params"]):
+        raise ValueError("optimize_fsdp(optimizer=): the factory's optimizer holds tensors other than the parameters "
+                         "it was given; build it from those (they are the sharded model's when it is called for real)")
+    return probe
 
 
 def saved_bytes(problem, sim, argument_bytes: int = 0) -> int:
@@ -441,6 +530,13 @@ def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes
     def per_rank(sim) -> FSDPMemory:
         return memory.with_block(sim.peak_bytes, saved_bytes(problem, sim, arg_bytes))
 
+    if budget is not None and memory.update > budget:  # no block plan changes the update after the backward
+        e = BudgetInfeasibleError(budget, memory.update, memory.update)
+        e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the optimizer's update after the "
+                  f"backward alone holds {memory.update / MiB:.2f} MiB (shards, root parameters and gradients, "
+                  f"optimizer_state {memory.optimizer_state / MiB:.2f}, update_scratch {memory.update_scratch / MiB:.2f})",)
+        raise e
+
     found = sweep(problem, lambda sim: per_rank(sim).total, budget, floor=memory.fixed + (memory.n_blocks - 1) * arg_bytes,
                   time_limit_s=time_limit_s, tolerance=tolerance)
     fits = found.fitting(budget)
@@ -449,7 +545,9 @@ def choose_block_plan(problem, memory: FSDPMemory, budget: int | None, arg_bytes
         e = BudgetInfeasibleError(budget, lowest.total, found.bound)
         e.args = (f"no plan fits the per-rank budget {budget / MiB:.2f} MiB under FSDP2: the lowest found is "
                   f"{lowest.total / MiB:.2f} MiB ({lowest.describe()}); no plan can go below {found.bound / MiB:.2f} MiB "
-                  f"(the fixed terms alone are {memory.fixed / MiB:.2f} MiB)",)
+                  f"(the fixed terms alone are {memory.fixed / MiB:.2f} MiB"
+                  + (f", the optimizer's state {memory.optimizer_state / MiB:.2f} MiB among them" if memory.optimizer else "")
+                  + ")",)
         raise e
     return [BlockChoice(c.how, c.peak_budget, per_rank(c.sim), c.sim.time_s, c.recompute) for c in fits]
 
@@ -482,17 +580,31 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
     blocks: the modules to shard and plan (default: the nn.ModuleList holding the most parameters); they must
     be alike (same class and parameter shapes), as a transformer's layers are.
     mesh, reshard_after_forward: passed to fully_shard. group: the process group the plan is shared in (default:
-    the mesh's, else the world). Other options are optsched.optimize's, but `plan` (no plan files yet).
+    the mesh's, else the world).
+    optimizer: the whole step, with the optimizer's update after the backward. A factory, not an optimizer: a
+    callable `params -> torch.optim.Optimizer` (SGD, Adam or AdamW, exact types), e.g.
+    `lambda params: torch.optim.AdamW(params, lr=1e-3)`; it gets the list of the model's parameters (split it to
+    make groups, e.g. by `p.dim()`: shards keep their parameters' shapes). optimize_fsdp calls it once on the
+    unsharded parameters to read the optimizer's type and groups (that optimizer is discarded: it has no state
+    before its first step) and once on the sharded ones after fully_shard: that optimizer is `model.optimizer`
+    (an optimizer built before fully_shard would hold the parameters it replaces: TypeError). The per-rank total
+    then counts its state over this rank's shards from the first forward on (torch makes it at the first
+    `step()`), and is the larger of the backward's peak and the update's (`model.optimizer.step()` after the
+    backward: shards, gradients, state and the update's temporaries; FSDPMemory.update). The update is never
+    inside the backward under FSDP2: `updates_in_backward` may be left out ("auto" means after the backward
+    here) or False; True raises NotImplementedError. Your loop: `loss.backward(); model.optimizer.step();
+    model.optimizer.zero_grad()`.
+    Other options are optsched.optimize's, but `plan` (no plan files yet).
 
     Collective: every rank calls it. Rank `src` plans the first block (unsharded): the fastest plan that keeps
     the per-rank total within mem_budget (the solver's for a block budget, or a whole-block schedule such as
     full recomputation: see choose_block_plan), and broadcasts it; every rank's blocks replay it."""
     from torch.distributed.fsdp import fully_shard
 
+    factory = _fsdp_optimizer_option(options)
     _check_options(options)
-    if options.get("optimizer") is not None:
-        raise NotImplementedError("optimize_fsdp does not plan an optimizer's state and update yet (optimizer=): its "
-                                  "block plans count the shards FSDP2 holds, not the optimizer's; plan without it")
+    # every rank builds the probe (an error is then raised alike everywhere, before any collective); src counts it
+    probe = None if factory is None else _probe_optimizer(factory, list(model.parameters()))
     if options.get("plan") is not None:
         raise ValueError("optimize_fsdp does not read or write plan files yet (plan=...): its block plans are chosen "
                          "with the per-rank terms and carried to every rank")
@@ -514,6 +626,10 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
         args, kwargs = _record_block_inputs(model, blocks[0], example_inputs)
         root_act = measure_root_activations(model, blocks, example_inputs, root_params)
         memory = fsdp_memory([list(b.parameters()) for b in blocks], root_params, world, root_act)
+        if probe is not None:
+            state, scratch = optimizer_terms(probe, world)
+            memory = dataclasses.replace(memory, optimizer_state=state, update_scratch=scratch,
+                                         optimizer=describe_optimizer(probe))
         fwd = _bound_forward(blocks[0])
         arg_bytes = _tensor_bytes(args, kwargs)
         problem = api.capture_problem(_with_kwargs(fwd, kwargs), args, device_profile=options.get("device_profile"))
@@ -552,15 +668,48 @@ def optimize_fsdp(model: torch.nn.Module, mem_budget=None, *, example_inputs: tu
 
     # every rank gets the same payload, so the digests agree here; each block checks at its first call that it
     # replays the plan (_Replayed), and plan_digest(block.forward.plan) is then equal on every rank
-    info, spec = _one_outcome(group, src, planned, replayed, lambda outcome: "")
+    try:
+        info, spec = _one_outcome(group, src, planned, replayed, lambda outcome: "")
+    finally:
+        expected = None if probe is None else describe_optimizer(probe)
+        probe = None  # it holds the unsharded parameters, which fully_shard replaces: they must not stay alive
     info.notes.append(f"blocks planned on rank {src} and replayed on every rank")
     for b in blocks:
         fwd = _bound_forward(b)
         fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
         b.forward = _Replayed(api.optimize_like(fwd, spec), info)
     fully_shard(model, mesh=mesh)
+    if factory is not None:
+        model.optimizer = _sharded_optimizer(factory, model, expected, info)
     model.plan = info
     return model
+
+
+def _fsdp_optimizer_option(options: dict):
+    """Takes `optimizer` (a factory) and `updates_in_backward` out of optimize_fsdp's options: the update is
+    always after the backward under FSDP2."""
+    factory = options.pop("optimizer", None)
+    if options.pop("updates_in_backward", "auto") not in (False, "auto"):
+        raise NotImplementedError(
+            "optimize_fsdp does not update inside the backward (updates_in_backward=True): FSDP2 reduce-scatters each "
+            "gradient after the block's backward, and the update must take the reduced shard; the update runs after "
+            "the backward (model.optimizer.step()): leave updates_in_backward out or pass False")
+    return factory
+
+
+def _sharded_optimizer(factory, model: torch.nn.Module, expected: str, info: FSDPPlan) -> torch.optim.Optimizer:
+    """The factory's optimizer over the sharded parameters; it must be the one counted (`expected`, the probe's)."""
+    optimizer = factory(list(model.parameters()))
+    if type(optimizer) not in SUPPORTED or describe_optimizer(optimizer) != expected:
+        got = describe_optimizer(optimizer) if type(optimizer) in SUPPORTED else f"a {type(optimizer).__name__}"
+        raise ValueError(f"optimize_fsdp(optimizer=): the factory built {got} over the sharded parameters, but "
+                         f"{expected} over the unsharded ones, whose state was counted: it must build the same "
+                         "optimizer (type, groups and their options) from the parameters it is given")
+    info.notes.append(f"optimizer {expected}: state {info.memory.optimizer_state / MiB:.2f} MiB per rank over its "
+                      f"shards, counted from the first step; its update after the backward "
+                      f"(model.optimizer.step(), temporaries {info.memory.update_scratch / MiB:.2f} MiB) peaks at "
+                      f"{info.memory.update / MiB:.2f} MiB per rank")
+    return optimizer
 
 
 def _offloads(options: dict, args: tuple) -> bool:

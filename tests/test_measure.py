@@ -183,3 +183,21 @@ def test_planning_inside_a_profiling_session_leaves_it_running():
         torch.arange(7).cumsum(0)  # after planning: the session still records
     assert any(e.name == "aten::cumsum" for e in prof.events())
     assert any("another profiler was running" in n for n in opt.plan.stats.notes)
+
+
+def test_training_step_leaves_out_the_callers_targets_only_when_asked():
+    """A loss outside the module: its targets are the caller's, held through the step, and a plan's budget
+    (the module's) does not cover them. `uncounted` leaves exactly their bytes out of the peak."""
+    from optsched.measure import measure_training_step
+
+    model = torch.nn.Linear(64, 16)
+    x, y = torch.randn(32, 64), torch.randint(0, 16, (4096,))
+
+    def call(x, y):
+        return torch.nn.functional.cross_entropy(model(x).repeat(128, 1), y)
+
+    every = measure_training_step(call, model, (x, y))
+    modules = measure_training_step(call, model, (x, y), uncounted=(y,))
+    assert every.peak_bytes - modules.peak_bytes == y.untyped_storage().nbytes()
+    with pytest.raises(ValueError, match="among `inputs`"):
+        measure_training_step(call, model, (x, y), uncounted=(y.clone(),))

@@ -413,3 +413,18 @@ def test_a_plan_file_made_without_the_optimizer_is_not_replayed_with_it(tmp_path
     om = optsched.optimize(model, "100%", optimizer=adamw(model), plan=path, device_profile="cpu", time_limit_s=1)
     with pytest.raises(optsched.PlanMismatchError, match="optimizer: the plan has None, this run wants 'AdamW"):
         om(x).square().mean().backward()
+
+
+def test_update_temporaries_are_measured_per_option_set():
+    """The update's temporaries depend on more than the optimizer's type and foreach/fused: SGD with nesterov
+    makes one more temporary per parameter than without, Adam with weight decay one more than without. The
+    cache once keyed on (foreach, fused, momentum, amsgrad) only and gave nesterov the plain step's figure."""
+    params = [torch.nn.Parameter(torch.zeros(256, 64)) for _ in range(3)]
+    plain = update_scratch_bytes(torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=False))
+    nesterov = update_scratch_bytes(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, foreach=False))
+    assert nesterov > plain > 0
+    adam = update_scratch_bytes(torch.optim.Adam(params, lr=1e-3, foreach=False))
+    decayed = update_scratch_bytes(torch.optim.Adam(params, lr=1e-3, weight_decay=0.1, foreach=False))
+    assert decayed > adam
+    # the rate is not part of it: a scheduler's change measures nothing again
+    assert update_scratch_bytes(torch.optim.Adam(params, lr=5e-4, foreach=False)) == adam

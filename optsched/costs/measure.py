@@ -49,6 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
 from .._torch import ALLOCATION_EVENT
+from .cuda_allocator import AllocatorConfig, allocated_bytes
 
 __all__ = ["PeakResult", "live_bytes", "measure_peak", "measure_ratio", "measure_time", "measure_training_step"]
 
@@ -252,19 +253,33 @@ class StepMeasurement:
     grads: dict[str, torch.Tensor]
 
 
-def measure_training_step(call: Callable, module: torch.nn.Module, inputs: tuple) -> StepMeasurement:
+def measure_training_step(call: Callable, module: torch.nn.Module, inputs: tuple, *,
+                          uncounted: tuple = ()) -> StepMeasurement:
     """Peak device bytes of `call(*inputs).backward()`, counted at the allocator.
 
     Gradients are set to None before and after, so every measurement starts from the
     same state and frees made by the step are of blocks the profiler saw allocated.
+    `uncounted`: tensors among `inputs` that the module never sees and a plan's budget does not cover (a loss
+    computed outside the module: its targets), left out of the peak. Their storages must not be shared
+    with a counted input.
     """
     for p in module.parameters():
         p.grad = None
     gc.collect()
     device = device_of([*module.parameters(), *inputs]) or torch.device("cpu")
+    left_out = {id(t) for t in uncounted}
+    if not left_out <= {id(t) for t in inputs}:
+        raise ValueError("measure_training_step: `uncounted` takes tensors among `inputs`")
+    counted = tuple(t for t in inputs if id(t) not in left_out)
     # on CUDA what the allocator counts now (blocks rounded, cuBLAS workspaces of earlier steps included),
-    # as a plan's peak counts it; on CPU the storages' bytes, which is what its allocator counts
-    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else live_bytes(module, inputs)
+    # as a plan's peak counts it, less the caller's uncounted blocks; on CPU the storages' bytes, which is what
+    # its allocator counts
+    if device.type == "cuda":
+        config = AllocatorConfig.from_env()
+        start = torch.cuda.memory_allocated(device) - sum(
+            allocated_bytes(t.untyped_storage().nbytes(), config) for t in uncounted if t.device == device)
+    else:
+        start = live_bytes(module, counted)
 
     def step() -> torch.Tensor:
         loss = call(*inputs)

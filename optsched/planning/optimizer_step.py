@@ -57,7 +57,7 @@ def update_scratch_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor] | 
     chosen = None if params is None else {id(p) for p in params}
     groups = [[p for p in g["params"] if p.requires_grad and (chosen is None or id(p) in chosen)]
               for g in optimizer.param_groups]
-    flags = tuple((g.get("foreach"), g.get("fused"), g.get("momentum"), g.get("amsgrad")) for g in optimizer.param_groups)
+    flags = tuple(_options(g) for g in optimizer.param_groups)
     key = (type(optimizer), flags, tuple(tuple((tuple(p.shape), p.dtype) for p in ps) for ps in groups))
     if key not in _scratch:
         with unset_fake_temporarily():
@@ -66,6 +66,22 @@ def update_scratch_bytes(optimizer: Optimizer, params: Iterable[torch.Tensor] | 
 
 
 _scratch: dict[tuple, int] = {}
+_RATES = ("lr", "initial_lr")  # change between steps (schedulers), never the temporaries
+
+
+def _options(group: dict) -> tuple:
+    """A group's options that may change the update's temporaries (weight decay, nesterov, maximize, foreach, ...):
+    all but the parameters and the rates; a tensor option by its kind only."""
+    return tuple(sorted((k, ("tensor", v.dtype) if isinstance(v, torch.Tensor) else v) for k, v in group.items()
+                        if k != "params" and k not in _RATES and (isinstance(v, torch.Tensor) or _hashable(v))))
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
 
 
 def _measured_scratch(optimizer: Optimizer, params: list[list[torch.Tensor]]) -> int:

@@ -7,6 +7,7 @@ each forward activation, the facts its decision variables hang on.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from .problem import Phase, Problem, TensorKind
@@ -47,16 +48,19 @@ class OrderedProblem:
         for op in problem.ops:
             for t in op.inputs:
                 (self.fw_readers if op.phase is Phase.FW else self.bw_readers)[t].append(op.id)
-        self.static = [0] * self.T
+        self._delta = [0] * (self.T + 1)  # the fixed profile as differences: a parameter's span is the whole step
         self.activations: list[Activation] = []
         for t in problem.tensors:
             self._classify(t, cand)
         for o, k in self.pos.items():  # kernel scratch space, during the op's own step
-            self.static[k] += problem.ops[o].workspace_bytes
+            self._add_static(problem.ops[o].workspace_bytes, k, k)
+        self.static = list(itertools.accumulate(self._delta[:self.T]))
+        del self._delta
 
     def _add_static(self, nbytes: int, start: int, end: int) -> None:
-        for k in range(start, end + 1):
-            self.static[k] += nbytes
+        if start <= end:
+            self._delta[start] += nbytes
+            self._delta[end + 1] -= nbytes
 
     def _classify(self, t, cand: set[int]) -> None:
         p, F, T = self.p, self.F, self.T

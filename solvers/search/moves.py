@@ -73,6 +73,7 @@ class Move:
     run: Callable[[Context, Incumbent, float], None]  # (context, incumbent, deadline on clock.now())
     always: bool = False  # runs whatever its slice (a start, the hint, the certification); else from MIN_SLICE_S
     wanted: Callable[[Incumbent], bool] = lambda _inc: True  # given what the incumbent holds when its turn comes
+    improver: bool = False  # starts from the incumbent's plan: runs again while it still gains (strategy.run_portfolio)
 
 
 def _left(deadline: float) -> float:
@@ -207,12 +208,12 @@ INTERVAL_MODEL = Move("interval model", lambda c: c.training and c.small, interv
 RELAXATION = Move("relaxation + repair", lambda c: c.training and not c.small, relaxation, always=True)
 BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.budget is not None
                            and bool(c.blocks.blocks), block_checkpointing, always=True)
-REORDER = Move("reorder windows", lambda c: c.training, reorder_windows)
-OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder)
+REORDER = Move("reorder windows", lambda c: c.training, reorder_windows, improver=True)
+OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder, improver=True)
 REORDER_LOWEST = Move("reorder windows (copies kept)", lambda c: c.training and c.offload, reorder_lowest,
-                      wanted=lambda inc: not inc.found)
-SEGMENTS = Move("segment search", lambda c: c.training and c.budget is not None, segment_search)
+                      wanted=lambda inc: not inc.found, improver=True)
+SEGMENTS = Move("segment search", lambda c: c.training and c.budget is not None, segment_search, improver=True)
 CHAIN_MOVE = Move("chain", lambda c: CHAIN and c.training and c.budget is not None
-                  and len(c.blocks.blocks) >= MIN_BLOCKS, chain)
+                  and len(c.blocks.blocks) >= MIN_BLOCKS, chain, improver=True)
 FUSION = Move("fusion options", lambda c: bool(c.problem.fusion_options), fusion_options, wanted=lambda inc: inc.found)
 CERTIFY = Move("certify", lambda c: True, certify, always=True, wanted=lambda inc: inc.found)

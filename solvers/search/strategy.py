@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -91,6 +92,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.FUSION, 0.05),  # fusion options the search left unformed
     (moves.CERTIFY, 0.10),  # the bound and status of the plan returned
 )
+MIN_ROUND_GAIN = 0.001  # a round of improvers that gains less than this share of the step time ends the rounds
 _AIMED_TABLE = tuple((m, w) for m, w in TIME_TABLE if m not in (AIM_LOWER, moves.FUSION, moves.CERTIFY))
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
 
@@ -140,19 +142,66 @@ def _caller_heap_frozen():
 def run_portfolio(ctx: Context, inc: Incumbent, time_limit_s: float, table=None) -> None:
     """Each move of TIME_TABLE that applies, in order, on its slice of the time left; a move is skipped
     when the incumbent does not want it (fusion options and certification need a plan that fits, aiming
-    lower needs none)."""
-    end = clock.now() + time_limit_s
-    table = [(m, w) for m, w in (TIME_TABLE if table is None else table) if m.applies(ctx)]
+    lower needs none). Then, at the top level, once a plan fits: the improvers again (`_improve_while_gaining`)
+    before the moves after them."""
+    end, top = clock.now() + time_limit_s, table is None
+    table = [(m, w) for m, w in (TIME_TABLE if top else table) if m.applies(ctx)]
+    last = max((i for i, (m, _w) in enumerate(table) if m.improver), default=None) if top else None
+    yields: dict[Move, tuple[float, float]] = {}
     for i, (move, weight) in enumerate(table):
-        if not move.wanted(inc):
-            continue
-        left = max(0.0, end - clock.now())
-        weights = sum(w or 0.0 for _m, w in table[i:])
-        slice_s = left if weight is REST else left * weight / weights if weights > 0 else 0.0
-        if slice_s < moves.MIN_SLICE_S and not move.always:
-            continue
-        ctx.line.note(move.name)
-        move.run(ctx, inc, clock.now() + slice_s)
+        _turn(ctx, inc, move, weight, end, sum(w or 0.0 for _m, w in table[i:]), yields)
+        if i == last:
+            _improve_while_gaining(ctx, inc, end, yields, sum(w or 0.0 for _m, w in table[i + 1:]))
+
+
+def _turn(ctx: Context, inc: Incumbent, move: Move, weight: float | None, end: float, weights: float,
+          yields: dict[Move, tuple[float, float]]) -> None:
+    """One move on `weight` over `weights` of the time left to `end`; an improver's gain per second of the
+    clock is kept in `yields`."""
+    if not move.wanted(inc):
+        return
+    left = max(0.0, end - clock.now())
+    slice_s = left if weight is REST else left * weight / weights if weights > 0 else 0.0
+    if slice_s < moves.MIN_SLICE_S and not move.always:
+        return
+    ctx.line.note(move.name)
+    before, t0 = _standing(inc), clock.now()
+    move.run(ctx, inc, clock.now() + slice_s)
+    if move.improver:
+        yields[move] = (weight or 0.0, _gain(before, _standing(inc)) / max(clock.now() - t0, 1e-3))
+
+
+def _improve_while_gaining(ctx: Context, inc: Incumbent, end: float, yields: dict[Move, tuple[float, float]],
+                           reserved: float) -> None:
+    """The improvers that gained on their last turn take turns again, the most gain per second first, each on its
+    weight's share of the time left (the moves after them keep theirs, `reserved`), while a round gains at least
+    MIN_ROUND_GAIN and time is left. Once a plan fits: before, the improvers' second chance was aiming lower only,
+    and a search that ended early left its time unspent (12-layer GPT at 50%: 2.4 s of 5)."""
+    while inc.found:
+        turn = sorted((m for m, (_w, y) in yields.items() if y > 0), key=lambda m: -yields[m][1])
+        if not turn:
+            return
+        start = _standing(inc)
+        for k, move in enumerate(turn):
+            _turn(ctx, inc, move, yields[move][0], end, sum(yields[m][0] for m in turn[k:]) + reserved, yields)
+        if _gain(start, _standing(inc)) < MIN_ROUND_GAIN:
+            return
+
+
+def _standing(inc: Incumbent) -> tuple[bool, float]:
+    """(a plan fits, its time) or (False, the lowest peak): what an improver's gain is measured on."""
+    if inc.best is not None:
+        return True, inc.best.sim.time_s
+    return False, float(inc.lowest.sim.peak_bytes) if inc.lowest is not None else math.inf
+
+
+def _gain(before: tuple[bool, float], after: tuple[bool, float]) -> float:
+    """The share by which the step time (or, while nothing fits, the lowest peak) went down; 1 for a first plan
+    that fits."""
+    (fit0, v0), (fit1, v1) = before, after
+    if fit1 != fit0 or v0 == math.inf:
+        return 1.0 if (fit1 and not fit0) or v1 < v0 else 0.0
+    return max(0.0, (v0 - v1) / v0) if v0 > 0 else 0.0
 
 
 def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: int | None, progress,

@@ -454,6 +454,8 @@ def _tight_peak(r: dict | None) -> str:
         return "-"
     if "error" in r:
         return f"fails: {r['error']['type']} ({r['error']['stage']})"
+    if r.get("infeasible") and r.get("searched") is False:  # no search ran: the peak it carries is the unplanned one
+        return f"infeasible (proven: bound {r['lower_bound_bytes'] / MIB:.2f})"
     if r.get("infeasible"):
         return f"infeasible (lowest {r['lowest_peak_bytes'] / MIB:.2f})"
     text = f"{r['predicted_peak_bytes'] / MIB:.2f}"

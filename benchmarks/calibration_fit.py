@@ -29,12 +29,15 @@ def fit(samples: list[tuple[dict[str, float], float]], keep: dict[str, float] | 
     coefficient comes out negative is dropped and the rest refitted).
 
     `prior_weight` > 0 pulls each coefficient towards its value in `keep` (ridge regression on the relative change:
-    a unit counted alongside others in every sample, such as the ops of a problem and of its bound, is otherwise
-    not identifiable, and a few runs would set it anywhere); 0 is plain least squares."""
+    a unit counted alongside others in every sample, such as a fusion group's compile and its profiler pass, is
+    otherwise not identifiable, and a few runs would set it anywhere); a unit `keep` prices at 0 stays 0. 0 is
+    plain least squares."""
     samples = [(u, w) for u, w in samples if w > 0]
     units = sorted({k for u, _ in samples for k, v in u.items() if v})
     prior = {k: (keep or {}).get(k, 0.0) for k in units}
-    ridge = prior_weight > 0 and all(prior[k] > 0 for k in units)
+    ridge = prior_weight > 0
+    if ridge:  # a unit the table prices at 0 stays at 0 (its cost is in another's); the others are pulled
+        units = [k for k in units if prior[k] > 0]
     scale = {k: prior[k] if ridge else 1.0 for k in units}
     active = list(units)
     coef: dict[str, float] = {}

@@ -48,7 +48,7 @@ OFFLINE = {"llama-7b-80": 80}  # planned offline (fake tensors, h100 profile, de
 CHUNKED = ("gpt", "gpt2-labels", "llama-labels")  # an LM head + cross-entropy inside the step: chunking=True
 BUDGETS = ("60%", "40%")
 SLACK = 1.2  # the allowance over T
-PRIOR_WEIGHT = 0.001  # the refit's pull towards the table in use (calibration_fit.fit): units counted together stay apart
+PRIOR_WEIGHT = 0.05  # the refit's pull towards the table in use (calibration_fit.fit): units counted together stay apart
 
 
 class PlanningAccounts:

@@ -77,11 +77,7 @@ def profile_nodes(
             return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured,
                              estimated=[n.name for ops in left for n in ops], distinct=len(timed), reused=reused)
         runs = [same for ops in timed + left for same in _same_out_form(ops, reuse_inputs)]
-        clock.count("profiler_pass")  # starting and reading the allocation profiler (the process's first: its set-up)
-        if not _profiled_before:
-            clock.count("profiler_first_start")
-            _profiled_before.append(True)
-        clock.count("op_profiled", len(runs))  # its runs (every op's scratch, even the untimed ones': plans hold it)
+        clock.count("op_profiled", len(runs))  # every op's scratch, even the untimed ones' (memory_profile counts the pass)
         with memory_profile() as prof:
             for same in runs:
                 try:
@@ -104,7 +100,6 @@ def profile_nodes(
                      reused=reused)
 
 
-_profiled_before: list[bool] = []  # the process started the allocation profiler before (its first start is slow)
 
 
 def _time_ops(groups: list[list[fx.Node]], inputs: _OpInputs, repeat: int, time_limit_s: float | None,

@@ -75,6 +75,7 @@ def step_bound(problem: Problem, *, charge: bool = False) -> int:
         clock.count("bound_op", len(problem.ops))
         clock.count("bound_scan", b.scanned)
         clock.count("bound_edge", b.work)
+        clock.count("bound_flow", b.flow_steps)
     return value
 
 
@@ -111,6 +112,7 @@ class _Bound:
         self.inputs = sum(self.size[t] for t in self.input_ids)
         self.visible = p.visible  # a property that builds a set: read once
         self.scanned, self.work = 0, 0  # tensors the per-op passes looked at, edges of the cut networks built
+        self.flow_steps = 0  # edges the max flows scanned and advanced past (their work: phases x edges)
         self.held_tangents = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.TANGENT)
         self.fw_outputs = {t for t in p.outputs if self.fw_made[t]}
         self.offloadable = [
@@ -365,7 +367,9 @@ class _Bound:
                 if self.fw_made[u] and u not in self.fw_outputs:
                     net.edge(fwn(u), out, _INF)
         self.work += len(net.to) // 2
-        return net.max_flow(SRC, SNK)
+        flow = net.max_flow(SRC, SNK)
+        self.flow_steps += net.steps
+        return flow
 
 
 def fused_sizes(p: Problem) -> list[int]:
@@ -395,6 +399,7 @@ class _Net:
         self.adj: list[list[int]] = []
         self.to: list[int] = []
         self.cap: list[int] = []
+        self.steps = 0  # per phase: the edges its search scans, and those its augmenting paths advance past
 
     def node(self) -> int:
         self.adj.append([])
@@ -421,6 +426,7 @@ class _Net:
                     if cap[e] > 0 and level[to[e]] < 0:
                         level[to[e]] = level[u] + 1
                         q.append(to[e])
+            self.steps += len(to)
             if level[t] < 0:
                 return flow
             it = [0] * len(adj)
@@ -431,6 +437,7 @@ class _Net:
                 flow += f
                 if flow >= _INF:
                     return _INF
+            self.steps += sum(it)
 
     def _push(self, s: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
         """One augmenting path in the level graph (iterative DFS), its bottleneck pushed."""

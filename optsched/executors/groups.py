@@ -9,6 +9,7 @@ the executor compiles once per distinct structure, and is timed once.
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import time
@@ -17,13 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.autograd.profiler import record_function
 
-from .._torch import tree_leaves, unset_fake_temporarily
+from .._torch import ALLOCATION_EVENT, tree_leaves, unset_fake_temporarily
 from ..costs.profiles import DeviceProfile, node_flops, random_like
 from .base import Executor
 from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
-from ..costs.measure import device_sync, measure_peak
+from ..costs.measure import device_sync, measure_peak, memory_profile, walk_events
 from ..solvers.model import clock
 from ..solvers.model.calibration import compile_unit
 from ..solvers.model.fusion_sim import internal_tensors
@@ -137,9 +139,10 @@ def compile_groups(
     space (once per distinct subgraph too). `cache` carries both across calls for one graph."""
     cache = {} if cache is None else cache
     with unset_fake_temporarily():
+        examples: dict[str, list[torch.Tensor]] = {}  # the kernels compiled now, to measure: their inputs
         for g in groups:
             key = group_key(g, measure)
-            if key not in cache:
+            if key not in cache and key not in examples:
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))
                 clock.count(compile_unit(executor.name))  # on the solvers' clock: planning time (deterministic mode)
@@ -147,19 +150,24 @@ def compile_groups(
                     clock.count("inductor_first_start")
                     _inductor_started.append(True)
                 if measure:
-                    done.time_s, done.workspace_bytes = _profile_kernel(done.kernel, example)
+                    done.time_s = _time_kernel(done.kernel, example)
                     clock.count("op_timed")
+                    examples[key] = example
                 cache[key] = done
-            g.kernel, g.time_s, g.workspace_bytes = cache[key].kernel, cache[key].time_s, cache[key].workspace_bytes
+        for key, scratch in _scratch_bytes({k: (cache[k].kernel, ex) for k, ex in examples.items()}).items():
+            cache[key].workspace_bytes = scratch
+        for g in groups:
+            done = cache[group_key(g, measure)]
+            g.kernel, g.time_s, g.workspace_bytes = done.kernel, done.time_s, done.workspace_bytes
 
 
 _inductor_started: list[bool] = []  # the process compiled a group with Inductor before
+_KERNEL = "optsched_kernel::"
 
 
-def _profile_kernel(kernel: Callable[..., tuple], example: list[torch.Tensor]) -> tuple[float, int]:
-    outs = kernel(*example)  # warm up
-    out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
-    del outs
+def _time_kernel(kernel: Callable[..., tuple], example: list[torch.Tensor]) -> float:
+    """The best of three runs, after a warm-up run."""
+    kernel(*example)
     best = float("inf")
     sync = device_sync()
     for _ in range(3):
@@ -168,8 +176,43 @@ def _profile_kernel(kernel: Callable[..., tuple], example: list[torch.Tensor]) -
         kernel(*example)
         sync()
         best = min(best, time.perf_counter() - t0)
-    peak = measure_peak(lambda: kernel(*example), example[0].device if example else "cpu")
-    return best, max(0, peak.peak_bytes - out_bytes)
+    return best
+
+
+def _scratch_bytes(kernels: dict[str, tuple[Callable[..., tuple], list[torch.Tensor]]]) -> dict[str, int]:
+    """Each kernel's scratch space: the peak of its run less its outputs. On the CPU all of them in one pass of
+    the allocation profiler, each run labelled (a pass is 0.15 s here: one per kernel was most of a small
+    program's planning); on CUDA the allocator's peak around each run."""
+    if not kernels:
+        return {}
+    first = next(iter(kernels.values()))[1]
+    device = first[0].device if first else torch.device("cpu")
+    if device.type == "cuda":
+        out = {}
+        for key, (kernel, example) in kernels.items():
+            outs = kernel(*example)
+            out_bytes = sum(o.untyped_storage().nbytes() for o in outs if isinstance(o, torch.Tensor))
+            del outs
+            peak = measure_peak(lambda kernel=kernel, example=example: kernel(*example), device)
+            out[key] = max(0, peak.peak_bytes - out_bytes)
+        return out
+    gc.collect()
+    with memory_profile() as prof:
+        for key, (kernel, example) in kernels.items():
+            with record_function(_KERNEL + key):
+                outs = kernel(*example)
+            del outs
+    out = {}
+    for event in walk_events(prof.profiler.kineto_results.experimental_event_tree()):
+        if not event.name.startswith(_KERNEL):
+            continue
+        running = peak = 0
+        for _t, size in sorted((e.start_time_ns, e.extra_fields.alloc_size) for e in walk_events(event.children)
+                               if type(e.extra_fields).__name__ == ALLOCATION_EVENT):
+            running += size
+            peak = max(peak, running)
+        out[event.name[len(_KERNEL):]] = max(0, peak - max(running, 0))  # what is still held at its end: outputs
+    return out
 
 
 def horizontal_candidates(

@@ -233,3 +233,19 @@ def test_a_plan_with_op_timing_cut_short_is_valid(monkeypatch):
     assert planned.peak_bytes <= budget
     for k, g in eager.grads.items():
         torch.testing.assert_close(planned.grads[k], g, rtol=0, atol=0)
+
+
+def test_a_time_from_the_cache_costs_the_clock_what_timing_it_would():
+    """In deterministic mode the plan must depend on the graph alone: an op whose time an earlier graph (or another
+    process, through an op-time file) measured is charged as if timed here, so the search keeps the same share of
+    the limit whether the cache was warm or cold."""
+    from optsched.solvers.model import clock
+
+    gm = _graph(_layers, (64, 64), (64, 64))
+    charged = []
+    for _ in range(2):  # cold, then every time from the cache
+        with clock.deterministic(True):
+            costs = profile_nodes(gm, torch.device("cpu"), {})
+            charged.append((costs.reused, clock.units_counted().get("op_timed")))
+    assert charged[0][0] == 0 and charged[1][0] == 4
+    assert charged[0][1] == charged[1][1] > 0

@@ -88,9 +88,7 @@ def memory_profile() -> Iterator[profile]:
     start/stop markers on stderr. Planning work on the solvers' clock: a pass (about 0.15 s here), and the
     process's first start once (about 0.8 s: its libraries set up)."""
     clock.count("profiler_pass")
-    if not _profiler_started:
-        clock.count("profiler_first_start")
-        _profiler_started.append(True)
+    clock.count_once("profiler_first_start")
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _kineto_markers_dropped():
         prof.__enter__()
@@ -99,9 +97,6 @@ def memory_profile() -> Iterator[profile]:
     finally:
         with _kineto_markers_dropped():
             prof.__exit__(None, None, None)
-
-
-_profiler_started: list[bool] = []  # the process started the allocation profiler before
 
 
 def live_bytes(*objs: Any) -> int:
@@ -208,6 +203,22 @@ def walk_events(events: list) -> Iterator:
     for event in events:
         yield event
         yield from walk_events(event.children)
+
+
+def labelled_peaks(prof: profile, *prefixes: str) -> dict[str, tuple[int, int]]:
+    """Per `record_function` label starting with one of `prefixes`: (the peak of the bytes its allocations held, what
+    they still held at its end). Many runs measured in one profiler pass, each under its own label."""
+    out = {}
+    for event in walk_events(prof.profiler.kineto_results.experimental_event_tree()):
+        if not event.name.startswith(prefixes):
+            continue
+        running = peak = 0
+        for _t, size in sorted((e.start_time_ns, e.extra_fields.alloc_size) for e in walk_events(event.children)
+                               if type(e.extra_fields).__name__ == ALLOCATION_EVENT):
+            running += size
+            peak = max(peak, running)
+        out[event.name] = (peak, running)
+    return out
 
 
 def _same_device(event_device: torch.device, wanted: torch.device) -> bool:

@@ -34,11 +34,10 @@ from torch.autograd.profiler import record_function
 
 from . import op_cache
 from .profiles import NodeCosts, get_profile, node_time, random_like
-from .measure import device_sync, memory_profile, walk_events
+from .measure import device_sync, labelled_peaks, memory_profile
 from ..solvers.model import clock
 from ..passes.op_variants import inplace_foreach, out_variant
 from ..optim.in_graph import is_update
-from .._torch import ALLOCATION_EVENT
 
 _OP = "optsched::"
 _OUT = "optsched_out::"
@@ -98,8 +97,6 @@ def profile_nodes(
     estimated = [n.name for ops in left for n in ops if n.name not in unmeasured]
     return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured, estimated=estimated, distinct=len(timed),
                      reused=reused)
-
-
 
 
 def _time_ops(groups: list[list[fx.Node]], inputs: _OpInputs, repeat: int, time_limit_s: float | None,
@@ -344,21 +341,9 @@ def _try_out_form(n: fx.Node, args: tuple, kwargs: dict, made: dict, into: fx.No
 def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:
     workspace: dict[str, int] = {}
     out_peak: dict[str, int] = {}
-    for event in walk_events(prof.profiler.kineto_results.experimental_event_tree()):
-        name = event.name
-        if not (name.startswith(_OP) or name.startswith(_OUT)):
-            continue
-        allocs = sorted(
-            (e.start_time_ns, e.extra_fields.alloc_size)
-            for e in walk_events(event.children)
-            if type(e.extra_fields).__name__ == ALLOCATION_EVENT
-        )
-        running = peak = 0
-        for _, size in allocs:
-            running += size
-            peak = max(peak, running)
+    for name, (peak, end) in labelled_peaks(prof, _OP, _OUT).items():
         if name.startswith(_OP):
-            workspace[name[len(_OP):]] = max(0, peak - max(running, 0))
+            workspace[name[len(_OP):]] = max(0, peak - max(end, 0))
         else:
             out_peak[name[len(_OUT):]] = peak
     reuse_ok = {}

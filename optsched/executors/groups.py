@@ -20,12 +20,12 @@ import torch
 import torch.fx as fx
 from torch.autograd.profiler import record_function
 
-from .._torch import ALLOCATION_EVENT, tree_leaves, unset_fake_temporarily
+from .._torch import tree_leaves, unset_fake_temporarily
 from ..costs.profiles import DeviceProfile, node_flops, random_like
 from .base import Executor
 from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
-from ..costs.measure import device_sync, measure_peak, memory_profile, walk_events
+from ..costs.measure import device_sync, labelled_peaks, measure_peak, memory_profile
 from ..solvers.model import clock
 from ..solvers.model.calibration import compile_unit
 from ..solvers.model.fusion_sim import internal_tensors
@@ -146,9 +146,8 @@ def compile_groups(
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))
                 clock.count(compile_unit(executor.name))  # on the solvers' clock: planning time (deterministic mode)
-                if executor.name == "inductor" and not _inductor_started:  # its first compile sets Inductor up
-                    clock.count("inductor_first_start")
-                    _inductor_started.append(True)
+                if executor.name == "inductor":  # its first compile sets Inductor up
+                    clock.count_once("inductor_first_start")
                 if measure:
                     done.time_s = _time_kernel(done.kernel, example)
                     clock.count("op_timed")
@@ -161,7 +160,6 @@ def compile_groups(
             g.kernel, g.time_s, g.workspace_bytes = done.kernel, done.time_s, done.workspace_bytes
 
 
-_inductor_started: list[bool] = []  # the process compiled a group with Inductor before
 _KERNEL = "optsched_kernel::"
 
 
@@ -202,17 +200,9 @@ def _scratch_bytes(kernels: dict[str, tuple[Callable[..., tuple], list[torch.Ten
             with record_function(_KERNEL + key):
                 outs = kernel(*example)
             del outs
-    out = {}
-    for event in walk_events(prof.profiler.kineto_results.experimental_event_tree()):
-        if not event.name.startswith(_KERNEL):
-            continue
-        running = peak = 0
-        for _t, size in sorted((e.start_time_ns, e.extra_fields.alloc_size) for e in walk_events(event.children)
-                               if type(e.extra_fields).__name__ == ALLOCATION_EVENT):
-            running += size
-            peak = max(peak, running)
-        out[event.name[len(_KERNEL):]] = max(0, peak - max(running, 0))  # what is still held at its end: outputs
-    return out
+    # what a label still holds at its end is its outputs
+    return {name[len(_KERNEL):]: max(0, peak - max(end, 0))
+            for name, (peak, end) in labelled_peaks(prof, _KERNEL).items()}
 
 
 def horizontal_candidates(

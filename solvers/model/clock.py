@@ -55,6 +55,17 @@ def count(unit: str, n: float = 1) -> None:
         work.units[unit] += n
 
 
+_counted_once: set[str] = set()  # units of set-up work a process does once (a library's first start)
+
+
+def count_once(unit: str) -> None:
+    """Count one `unit` the first time the process does this work, whether or not the clock counts then (work done
+    outside deterministic mode is done all the same: a later count would charge what no longer costs)."""
+    if unit not in _counted_once:
+        _counted_once.add(unit)
+        count(unit)
+
+
 def units_counted() -> dict[str, float]:
     """The units counted so far in this deterministic block (empty outside one): what the calibration fits."""
     work = _work.get()

@@ -702,7 +702,9 @@ def _planning_result(r: dict) -> str:
     if r.get("offline"):  # plan_offline on fake tensors: GiB, the estimated step time, capture beside planning
         got = (f"fits, {r['predicted_peak_bytes'] / 2**30:.2f} GiB, est. {r['time_ratio']:.3f}x" if r["fits"]
                else f"infeasible, lowest {r['lowest_peak_bytes'] / 2**30:.2f} GiB")
-        return f"{got}; offline ({r['offline']} profile), capture {r['capture_s']:.1f} s in the first call"
+        charged = any("charged" in p for p in r.get("programs", []))  # plan_offline's limit covers its capture
+        return (f"{got}; offline ({r['offline']} profile), capture {r['capture_s']:.1f} s in the first call"
+                + (", in the limit" if charged else ""))
     if r["fits"]:
         return f"fits, {r['predicted_peak_bytes'] / MIB:.2f} MiB" + (f", chunks {r['chunks']}" if r.get("chunks") else "")
     return f"infeasible, lowest {r['lowest_peak_bytes'] / MIB:.2f} MiB" + (" (proven)" if r.get("proven") else "")
@@ -853,18 +855,22 @@ def scaling_llama_table(d: dict) -> str:
             commit = ", ".join(row_commits) if row_commits else _git_text(run.get("git", {}))
         lines = [f"{k} ({commit}, {run.get('date', '')[:10]}): {c['describe']}; each plan "
                  f"in its own process, wall-clock limit {c['timeout_s']:.0f} s.", "",
-                 "| layers | budget | ops | plan s | s / layer | capture s | status | gap | predicted / unplanned "
-                 "| unplanned peak | lower bound | est. time vs unplanned |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| layers | budget | ops | plan s | s / layer | capture s | capture + plan s | status | gap "
+                 "| predicted / unplanned | unplanned peak | lower bound | est. time vs unplanned |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in run["rows"]:
             head = f"| {r['layers']} | {r['fraction']:.0%} |"
             capture = "" if r.get("capture_s") is None else f"{r['capture_s']:.1f}"
+            if r.get("capture_s") is not None and r.get("plan_s") is not None:
+                capture += f" | {r['capture_s'] + r['plan_s']:.1f}"
+            else:
+                capture += " |"
             if r.get("timed_out"):
-                lines.append(f"{head} | over {r['timeout_s']:.0f} (stopped) | | | timed out | | | | | |")
+                lines.append(f"{head} | over {r['timeout_s']:.0f} (stopped) | | | | timed out | | | | | |")
             elif r.get("skipped"):
-                lines.append(f"{head} | not run ({r['skipped']}) | | | | | | | | |")
+                lines.append(f"{head} | not run ({r['skipped']}) | | | | | | | | | |")
             elif "error" in r:
-                lines.append(f"{head} | | | | fails: {r['error'][:80]} | | | | | |")
+                lines.append(f"{head} | | | | | fails: {r['error'][:80]} | | | | | |")
             elif r.get("infeasible"):
                 lines.append(f"{head} | {r['plan_s']:.1f} | {r['plan_s'] / r['layers']:.2f} | {capture} | infeasible | | lowest "
                              f"{r['lowest_peak_bytes'] / r['unplanned_peak_bytes']:.1%} | {r['unplanned_peak_bytes'] / gib:.2f} GiB "

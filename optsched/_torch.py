@@ -111,6 +111,10 @@ SYMBOLS: dict[str, Symbol] = {
     "BoxedCodeGen": Symbol("torch.fx.graph:_BoxedCodeGen", "lowered programs take their inputs as one list (boxed)"),
     "extract_tensor_metadata": Symbol("torch.fx.passes.shape_prop:_extract_tensor_metadata",
                                       "plan_offline's CUDA outputs: tensor_meta for rewritten nodes"),
+    # None: plan_offline's capture then generates each graph module's code as it is built, as before
+    "use_lazy_graph_module": Symbol("torch.fx._lazy_graph_module:_use_lazy_graph_module",
+                                    "plan_offline's capture: graph code generated when first run, as in Dynamo's",
+                                    stand_in="none"),
     "BatchNormBase": Symbol("torch.nn.modules.batchnorm:_BatchNorm",
                             "the BatchNorm momentum=None capture error names the user's layers", stand_in="never"),
 }

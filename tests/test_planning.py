@@ -21,9 +21,9 @@ def test_a_chunked_plan_leaves_the_graph_given_unchanged_and_hands_back_the_one_
     seen = {}
     plan = backend.planner.plan
 
-    def recording(gm, jg, kind, usage=None):  # what the planner is given, as it was, and what it hands back
+    def recording(gm, jg, kind, usage=None, charged=None):  # what the planner is given, as it was, and what it hands back
         seen["given"] = (gm, gm.graph, [n.format_node() for n in gm.graph.nodes], jg, dict(vars(jg)))
-        seen["planned"] = plan(gm, jg, kind, usage)
+        seen["planned"] = plan(gm, jg, kind, usage, charged)
         return seen["planned"]
 
     backend.planner.plan = recording
@@ -82,3 +82,27 @@ def test_the_solves_keep_half_the_limit_whatever_op_timing_took():
         assert account.spent > 4.0 and first == MIN_SEARCH_SHARE * 4.0
         clock.count("cpsat_dtime", 1.0 / calibration.seconds("cpsat_dtime", 1))  # the first solve took 1 s of it
         assert abs(account.left() - (MIN_SEARCH_SHARE * 4.0 - 1.0)) < 1e-9
+
+
+def test_a_charge_before_planning_is_spent_from_the_limit():
+    """plan_offline's capture is charged to its program's limit: counted in its unit on the deterministic clock,
+    as its wall seconds otherwise; the search still keeps MIN_SEARCH_SHARE of the limit; the planning's own
+    figures (what the clock's calibration fits) leave it out."""
+    from optsched.planning.timing import MIN_SEARCH_SHARE, Charged, PlanningTime
+    from optsched.solvers.model import calibration, clock
+
+    charge = Charged("graph_node_captured", 1000, wall_s=99.0)
+    with clock.deterministic():
+        t = PlanningTime()
+        t.start(charge)
+        counted = calibration.seconds("graph_node_captured", 1000)
+        assert t.spent == pytest.approx(counted)
+        assert t.slice(10.0) == pytest.approx(10.0 - counted)
+        t.finish()
+    assert t.taken["clock_s"] == pytest.approx(0.0)
+    assert t.taken["charged"] == {"unit": "graph_node_captured", "count": 1000, "wall_s": 99.0, "clock_s": counted}
+    assert "graph_node_captured" not in t.taken["units"]
+    t = PlanningTime()  # the wall clock: the 99 s it took, more than the limit: the search keeps its share
+    t.start(charge)
+    assert t.spent >= 99.0
+    assert t.slice(10.0) == pytest.approx(MIN_SEARCH_SHARE * 10.0, abs=0.01)

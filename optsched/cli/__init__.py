@@ -196,7 +196,8 @@ def _add_plan(sub) -> None:
                    help="let saved activations wait in host memory between forward and backward where "
                         "that costs less time than recomputing them (default: on for GPU profiles, off for cpu)")
     p.add_argument("--time-limit", type=seconds, default=None, metavar="S", dest="time_limit",
-                   help="solver time limit in seconds (default: 0.02 s per op, at least 5 s and at most 30 s), e.g. 30")
+                   help="time limit in seconds for capture and planning together (default: 0.02 s per op, at least 5 s and "
+                        "at most 30 s), e.g. 30")
     p.add_argument("-o", "--output", default="plan.json", metavar="FILE",
                    help="plan file to write (JSON, written atomically; default: plan.json)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,

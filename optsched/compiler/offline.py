@@ -32,10 +32,11 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
-from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, tree_leaves
+from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, tree_leaves, use_lazy_graph_module
 
 from ..passes.prepare import prepare_inference, prepare_training
 from ..planning import Planner, ProgramKind, Target
+from ..planning.timing import Charged
 from ..planning.program import default_offload, host_budget_bytes
 from ..settings import PlanningSettings
 from .backend import PlanningBackend, aot_hooks
@@ -143,6 +144,7 @@ class OfflineBackend(PlanningBackend):
         # wall times: capture_s (building the fake module and inputs, tracing the joint graph) and
         # plan_s (problem, solve, fingerprint); `start` is set by capture_offline
         self.timings: dict[str, float] = {}
+        self._capture_charge: Charged | None = None  # set once captured
 
     def __call__(self, gm, example_inputs):  # pragma: no cover - not a torch.compile backend
         raise TypeError("OfflineBackend is not a torch.compile backend; use optsched.compiler.offline.plan_offline")
@@ -170,7 +172,8 @@ class OfflineBackend(PlanningBackend):
         self._captured(joint)
         prepare_training(joint)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(joint, num_fwd_outputs)
-        self.planner.plan(joint, jg, ProgramKind.TRAINING, self._training_usage(joint, jg)[0])  # optimize()'s first guess
+        self.planner.plan(joint, jg, ProgramKind.TRAINING, self._training_usage(joint, jg)[0],  # optimize()'s first guess
+                          self._capture_charge)
         self._done()
         raise _Planned  # AOTAutograd's own partition and compiles would be dropped unrun (3 s at 80 Llama layers)
 
@@ -185,7 +188,7 @@ class OfflineBackend(PlanningBackend):
         self._captured(gm)
         prepare_inference(gm, split_foreach=self.target.executor.fuses_writes)  # as optimize() does, so the fingerprints agree
         jg = build_joint_graph(gm, None)
-        self.planner.plan(gm, jg, ProgramKind.FORWARD)
+        self.planner.plan(gm, jg, ProgramKind.FORWARD, charged=self._capture_charge)
         self._done()
         return _not_lowered
 
@@ -195,6 +198,8 @@ class OfflineBackend(PlanningBackend):
         if self.target.profile.device_type == "cuda":
             as_captured_on_cuda(gm)
         self.timings["capture_s"] = time.perf_counter() - self.timings.get("start", time.perf_counter())
+        # the time limit covers the capture too (the call a user waits for): its graph's nodes on the deterministic clock
+        self._capture_charge = Charged("graph_node_captured", len(gm.graph.nodes), self.timings["capture_s"])
         self._planning_started = time.perf_counter()
 
     def elapsed(self) -> dict[str, float]:
@@ -353,7 +358,10 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
     # On a CUDA profile, attention is captured as the GPU's kernel (see sdpa_prediction.CudaAttention), not the CPU one.
     profile = backend.target.profile
     attention = CudaAttention(profile) if profile.device_type == "cuda" else contextlib.nullcontext()
-    with mode, torch.enable_grad(), compiling():
+    # Graph modules' Python code is generated when first run, as under Dynamo (whose captures optimize() plans),
+    # not each time AOTAutograd rebuilds one: nothing here runs them (80 Llama-7B layers: 1 s of the capture).
+    lazy = use_lazy_graph_module(True) if use_lazy_graph_module is not None else contextlib.nullcontext()
+    with mode, torch.enable_grad(), compiling(), lazy:
         flat, slots = _dynamo_order(module, inputs)
         with attention, contextlib.suppress(_Planned):
             aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(backend))  # never run
@@ -400,6 +408,10 @@ def plan_offline(
     named replays the file with this one where it runs (not the device's default: Inductor or nvFuser on CUDA).
     offload: None (default) allows offloading when the profile is a CUDA device.
     host_budget: host memory offloads may take (default: half of this machine's memory).
+    time_limit_s: as in `optimize`, but covering the capture too: this call takes about that long (the default
+    grows with the graph, 5 to 30 s). The capture counts as its joint graph's nodes (the clock's
+    graph_node_captured, fitted on the reference machine) in deterministic mode, its wall seconds otherwise;
+    the search keeps at least half the limit however long the capture took.
     timings: a dict to fill with wall times: capture_s (building the fake module and inputs,
     tracing the joint graph), plan_s (problem, solve, fingerprint).
 

@@ -41,7 +41,7 @@ from .optimizer_step import WholeStep, optimizer_state
 from .program import Planned, ProgramKind, Target
 from .replay import Found, PlanFiles, replay
 from .solving import Lending, ProgramSolver
-from .timing import PlanningTime
+from .timing import Charged, PlanningTime
 from .in_backward import variants_for
 from .variants import Variants
 
@@ -49,12 +49,11 @@ from .variants import Variants
 class Planner:
     """Plans the programs of one compiled callable for one target (see the module docstring).
 
-    `resolution`: the budget as the optimized callable means it, shared by all its planners
-    (see BudgetResolution). `carried`: plans a copy of an optimized module carries from its original,
-    by fingerprint hash, replayed instead of solved. `observed_usage`: what a backward showed the
-    caller doing with the outputs (None: only the guess, which a plan file's record may replace).
-    `costs`: op times for a graph (default: measured on the device when the target measures, else
-    None, the profile's roofline). `grads_at_start`: an accumulation step (api.grads_at_start), whose
+    `resolution`: the budget as the optimized callable means it, shared by all its planners (see BudgetResolution).
+    `carried`: plans a copy of an optimized module carries from its original, by fingerprint hash, replayed instead of
+    solved. `observed_usage`: what a backward showed the caller doing with the outputs (None: only the guess, which a plan
+    file's record may replace). `costs`: op times for a graph (default: measured on the device when the target measures,
+    else None, the profile's roofline). `grads_at_start`: an accumulation step (api.grads_at_start), whose
     `first_micro_batch` is the plan of the same step without gradients to start with."""
 
     def __init__(
@@ -100,9 +99,10 @@ class Planner:
                               for n, b in optimizer_state(self.settings.optimizer, self.target.device, state)]
             self.step = WholeStep(self.settings.optimizer, self.settings.updates, values, {id(t): n for n, t in state})
 
-    def plan(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None = None) -> Planned:
-        """The plan for this graph (`jg` its joint graph) and, per op of its problem, the node or fusion group it
-        runs: from the plan file (or a carried plan) when one matches, else solved (and saved when asked)."""
+    def plan(self, gm: fx.GraphModule, jg: JointGraph, kind: ProgramKind, usage: OutputUsage | None = None,
+             charged: Charged | None = None) -> Planned:
+        """The plan for `gm` (`jg` its joint graph) and, per op of its problem, the node or fusion group it runs: a
+        matching plan file's (or carried plan's), else solved (saved when asked) within the limit less `charged`."""
         fp = fingerprint(gm)
         wanted = self.made_for(kind)
         found = self.files.find(fp, wanted, self.target)
@@ -122,7 +122,7 @@ class Planner:
                                grads_at_start=self.grads_at_start)
         variants = variants_for(self.step, gm, jg, kind, usage, self.observed_usage, solver=solver,
                                 fusion=fusion_of(self.target, self.settings), costs_of=self.costs, resident=self.resident)
-        planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning)
+        planned = solve_timed(variants, solver.time, gm, self.settings.deterministic_planning, charged)
         plan = planned.plan
         if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
             usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
@@ -173,14 +173,15 @@ def fusion_of(target: Target, settings: PlanningSettings) -> Fusion:
     return Fusion(target, named=settings.executor is not None)
 
 
-def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, deterministic: bool) -> Planned:
+def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, deterministic: bool,
+                charged: Charged | None = None) -> Planned:
     """`variants` planned under their time account (op timing, problem building and every solve count against the
     limit), on the deterministic clock when asked; the errors this graph's passes and planning expected and recovered
     from (a fusion group not convex, an op's FLOP formula raising, ...) noted on the plan (the solver's own are in
     its notes already)."""
     with collecting_rejections(rejections_in(gm.meta).copy()) as recovered:
         with clock.deterministic(deterministic):
-            time.start()
+            time.start(charged)
             try:
                 planned = variants.plan()
             finally:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from ..solvers.model import clock
+from ..solvers.model import calibration, clock
 
 DEFAULT_TIME_LIMIT_S = 5.0  # at least this long; larger graphs get DEFAULT_S_PER_OP per op
 DEFAULT_S_PER_OP = 0.02
@@ -22,17 +23,30 @@ def time_limit(asked: float | None, ops: int) -> float:
     return max(DEFAULT_TIME_LIMIT_S, min(DEFAULT_TIME_LIMIT_MAX_S, DEFAULT_S_PER_OP * ops))
 
 
+@dataclass(frozen=True)
+class Charged:
+    """Work done for a program before its planning started that its time limit covers all the same:
+    plan_offline's capture (the call a user waits for is capture and planning). On the deterministic clock it
+    counts as `count` of `unit` (the same charge on every run), on the wall clock as the `wall_s` it took."""
+
+    unit: str
+    count: float
+    wall_s: float
+
+
 class PlanningTime:
     """One program's planning time: its limit (set by the first solve: it depends on the problem's size) and
     everything spent since `start()`, counted on the solvers' clock: op timing, problem building, bounds,
     simulations and every solve (the graph as captured, each chunk count, fusion options), so `time_limit_s`
-    is what the user waits for the plan after capture. Each solve gets `share` of what is left. The solves together
+    is what the user waits for the plan after capture (plan_offline: with its capture, `Charged`). Each solve gets
+    `share` of what is left. The solves together
     keep at least MIN_SEARCH_SHARE of the limit from the first one on: where op timing, fusion compiles and
     problem building took more than the rest, planning takes longer than the limit by that much (a plan found in
     no time is no plan; benchmarks/planning_time.py reports it).
 
     `finish()` keeps what the planning took: wall seconds, clock seconds and the units of work it counted
-    (benchmarks/planning_time.py fits the clock's calibration on them)."""
+    (benchmarks/planning_time.py fits the clock's calibration on them), and apart from them what was charged
+    before it (`Charged`: counted in `spent`, so in the limit, not in the planning's own figures)."""
 
     def __init__(self) -> None:
         self.limit: float | None = None
@@ -41,15 +55,22 @@ class PlanningTime:
         self._search_start: float | None = None  # the first solve's start
         self._wall0 = 0.0
         self._units0: dict[str, float] = {}
-        self.taken: dict | None = None  # after finish(): {"wall_s", "clock_s", "units"}
+        self.charged: Charged | None = None
+        self._charged_s = 0.0  # its seconds on the solvers' clock
+        self.taken: dict | None = None  # after finish(): {"wall_s", "clock_s", "units"} (+ "charged")
 
-    def start(self) -> None:
-        """Planning starts now (inside the solvers' deterministic block, where the clock counts work)."""
+    def start(self, charged: Charged | None = None) -> None:
+        """Planning starts now (inside the solvers' deterministic block, where the clock counts work), with
+        `charged` already spent."""
         self._start, self._wall0, self._units0 = clock.now(), time.perf_counter(), clock.units_counted()
+        self.charged = charged
+        if charged is not None:
+            self._charged_s = calibration.seconds(charged.unit, charged.count) if clock.is_deterministic() else charged.wall_s
 
     @property
     def spent(self) -> float:
-        return 0.0 if self._start is None else clock.now() - self._start
+        """Seconds of the limit spent: the charge before planning, then the planning so far."""
+        return 0.0 if self._start is None else clock.now() - self._start + self._charged_s
 
     def slice(self, limit: float) -> float:
         if self.limit is None:
@@ -70,5 +91,8 @@ class PlanningTime:
 
     def finish(self) -> None:
         units = clock.units_counted()
-        self.taken = {"wall_s": time.perf_counter() - self._wall0, "clock_s": self.spent,
+        self.taken = {"wall_s": time.perf_counter() - self._wall0, "clock_s": self.spent - self._charged_s,
                       "units": {k: v - self._units0.get(k, 0.0) for k, v in units.items() if v - self._units0.get(k, 0.0)}}
+        if self.charged is not None:
+            c = self.charged
+            self.taken["charged"] = {"unit": c.unit, "count": c.count, "wall_s": c.wall_s, "clock_s": self._charged_s}

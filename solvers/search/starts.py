@@ -24,6 +24,8 @@ from .reorder import base_orders, refine_order
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
+UNTIE_MAX_BLOCKS = 4  # a relaxation over more repeated blocks than this is not untied once solved tied to its optimum
+TIED_SHARE = 0.6  # of the relaxation's slice, for the model whose repeated blocks decide alike (the rest: its repair)
 GAP_TARGET = 0.002  # stop a model once its plan is provably within 0.2% of the step time
 MODEL_MIN_S = 0.05  # the least time an interval model gets (small graphs solve in milliseconds; a start's slice
 # on a large one can be far shorter, e.g. a late chunk count's, and the greedy plan is there anyway)
@@ -186,24 +188,30 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
     if ties:  # repeated blocks decide alike first: a model L times smaller to search, solved in seconds
         line.note(f"relaxation + repair, {len(groups.blocks)} blocks deciding alike")
         res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
-                                     time_limit_s=0.3 * time_limit_s, workers=workers, ties=ties,
+                                     time_limit_s=TIED_SHARE * time_limit_s, workers=workers, ties=ties,
                                      gap_s=GAP_TARGET * base_s)
-    # then each block on its own, from the tied plan: kept when it fits and is faster
-    untied = solve_bound_and_repair(
-        problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
-        time_limit_s=(0.6 if res is None or not res.fits else 0.4) * (deadline - clock.now()), workers=workers,
-        hint=set(res.recompute) if res is not None else None,
-        on_solution=lambda obj, bound: line.update(base_s + obj, base_s + bound), gap_s=GAP_TARGET * base_s,
-    )
-    if untied is not None and (res is None or _faster_fit(problem, fw, bw, untied, res)):
-        res = untied
+    # a tied optimum over more than UNTIE_MAX_BLOCKS blocks is repaired first: untying a model L times larger did not
+    # pay within its slice on the Llama-7B graphs (8 to 80 layers, 60% and 40%: the same plan or a slower one after
+    # the improvers, 0.3-2.5 s more wall time) and took the time the repair needed (80 layers at 40% in a 3.8 s
+    # slice: no plan fitting). Untied when that repair does not fit (a long chain of layers all alike may not)
+    sched = None
+    if res is not None and res.status == "OPTIMAL" and len(groups.blocks) > UNTIE_MAX_BLOCKS:
+        sched = _greedy_repair(problem, budget, fw, bw, set(res.recompute), deadline, line)
+        if simulate(problem, sched).peak_bytes > budget:  # kept as the lowest plan yet, if it is
+            inc.offer(sched, "cp-sat relaxation + repair, program order, blocks alike + greedy")
+    if sched is None or simulate(problem, sched).peak_bytes > budget:
+        # each block on its own, from the tied plan: kept when it fits and is faster
+        untied = solve_bound_and_repair(
+            problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+            time_limit_s=(0.6 if res is None or not res.fits else 0.4) * (deadline - clock.now()), workers=workers,
+            hint=set(res.recompute) if res is not None else None,
+            on_solution=lambda obj, bound: line.update(base_s + obj, base_s + bound), gap_s=GAP_TARGET * base_s,
+        )
+        if untied is not None and (res is None or _faster_fit(problem, fw, bw, untied, res)):
+            res = untied
+        sched = _greedy_repair(problem, budget, fw, bw, set(res.recompute) if res is not None else set(), deadline,
+                               line)
     chosen = set(res.recompute) if res is not None else set()
-    line.note("repairing with the greedy heuristic")
-    sched = greedy_recompute(problem, budget, fw, bw, start=chosen, deadline=deadline)
-    if simulate(problem, sched).peak_bytes <= budget:
-        line.note("dropping recomputations the budget does not need")
-        kept = prune_recomputes(problem, budget, fw, bw, set(sched.recomputed(problem)), deadline=deadline)
-        sched = place_recomputes(problem, fw, bw, kept)
     sim = simulate(problem, sched)
     bound = base_s + (res.bound_s if res is not None else 0.0)
     method = "cp-sat relaxation + repair, program order" + (
@@ -218,6 +226,19 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
         # is often lower, so the lowest peak reported (and the start of reordering) is never worse
         inc.offer(place_recomputes(problem, fw, bw, recompute_candidates(problem)),
                   "recompute every candidate, program order")
+
+
+def _greedy_repair(problem: Problem, budget: int, fw: list[int], bw: list[int], chosen: set[int], deadline: float,
+                   line: ProgressLine) -> Schedule:
+    """The relaxation's recomputations `chosen`, more recomputed greedily until the simulator says the plan fits, then
+    those the budget does not need taken back."""
+    line.note("repairing with the greedy heuristic")
+    sched = greedy_recompute(problem, budget, fw, bw, start=chosen, deadline=deadline)
+    if simulate(problem, sched).peak_bytes <= budget:
+        line.note("dropping recomputations the budget does not need")
+        kept = prune_recomputes(problem, budget, fw, bw, set(sched.recomputed(problem)), deadline=deadline)
+        sched = place_recomputes(problem, fw, bw, kept)
+    return sched
 
 
 def block_checkpointing(problem: Problem, inc: Incumbent, groups: Groups) -> None:

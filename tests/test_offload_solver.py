@@ -204,3 +204,33 @@ def test_reordering_around_a_copy_back_keeps_it_and_lowers_the_peak(lead):
     at_w = MB + 1024 + 4 * MB + MB + 1024  # w, tangent, g, x back, dw; g then dies
     at_g = MB + 1024 + MB + 4 * MB + MB  # w, tangent, y, g, and x back already
     assert after.peak_bytes == (max(at_w, at_g) if lead else at_w)
+
+
+def test_the_relaxation_with_offloads_fits_offloads_alike_and_beats_recomputation_alone():
+    """Large graphs: the relaxation deciding save, recompute or offload per activation (repeated blocks alike) gives
+    a plan that fits and offloads the same outputs in every block, faster than any recompute-only plan in that
+    order can be (below the recompute-only relaxation's bound) where copies hide behind compute."""
+    from optsched.solvers.progress import ProgressLine
+    from optsched.solvers.search import starts
+    from optsched.solvers.search.blocks import find_blocks
+    from optsched.solvers.search.incumbent import Incumbent
+
+    p = chain_training_problem(60, act_bytes=MB, host_bw=1e9)
+    assert len(p.ops) > starts.INTERVAL_MODEL_MAX_OPS  # a graph the relaxation starts are for
+    base = simulate(p, default_schedule(p))
+    budget = int(0.5 * base.peak_bytes)
+    inc = Incumbent(p, budget)
+    starts.relaxation_with_offloads(p, inc, 5.0, 1, ProgressLine("test", enabled=False))
+    assert inc.found
+    plan = inc.best.schedule
+    replay = simulate(p, plan)
+    assert replay.peak_bytes <= budget and plan.offload
+    fw, bw = [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
+    groups = find_blocks(p, fw)
+    assert len(groups.blocks) > 10
+    offloaded_in = [frozenset((j, k) for j, o in enumerate(groups.members[b]) for k, t in enumerate(p.ops[o].outputs)
+                              if t in plan.offload) for b in groups.blocks]  # (op, output) places in each block
+    assert len(set(offloaded_in)) == 1 and offloaded_in[0]
+    recompute_only = solve_bound_and_repair(dataclasses.replace(p, host_bw=0.0), fw, bw, budget, lambda _r: None,
+                                            time_limit_s=5.0, workers=1, max_rounds=1)
+    assert replay.time_s < sum(o.time_s for o in p.ops) + recompute_only.bound_s

@@ -39,11 +39,12 @@ class BoundResult:
     fits: bool  # whether `recompute` fits when simulated
     rounds: int
     wall_s: float
+    offload: frozenset[int] = frozenset()  # tensors the last solution offloads (`offload_plans` only)
 
 
 class _BoundModel:
     """`offload`: let any offloadable saved activation go to the host instead (valid bounds for
-    problems with host bandwidth); plans searched with this model are recompute-only otherwise."""
+    problems with host bandwidth, and plans that offload: `solve_bound_and_repair(offload_plans=True)`)."""
 
     def __init__(self, problem: Problem, fw_order: list[int], bw_order: list[int], offload: bool = False):
         self.p = problem
@@ -99,6 +100,13 @@ class _BoundModel:
             for o in present[1:]:
                 m.Add(r[o] == r[present[0]])
         f = {t: m.NewBoolVar(f"f{t}") for t in self.offloadable}
+        for group in ties:  # and offload alike: the same output of each tied op
+            outs = [self.p.ops[o].outputs for o in group]
+            for j in range(min(len(x) for x in outs)):
+                present = [f[x[j]] for x in outs if x[j] in f]
+                for v in present[1:]:
+                    m.Add(v == present[0])
+        self.f = f
         saved = {}
         for act in self.o.activations:
             s = saved[act.tensor] = m.NewBoolVar(f"s{act.tensor}")
@@ -159,13 +167,16 @@ class _BoundModel:
         m.Add(exposed >= vol_ns - int(self.bw_s / NS) - 1 - recompute_ns)
         return exposed
 
-    def model_profile(self, recompute: set[int]) -> list[int]:
-        """What this model counts at each step for a given recompute set."""
+    def model_profile(self, recompute: set[int], offloaded: frozenset[int] = frozenset()) -> list[int]:
+        """What this model counts at each step for a given recompute set (and set of tensors offloaded)."""
         delta = [0] * (self.o.T + 1)
         for u, x, kind, first, last in self.spans:
             if kind == "f":
-                continue  # plans searched with this model do not offload
-            on = (self.p.tensors[x].producer not in recompute) if kind == "s" else (x in recompute)
+                on = x in offloaded
+            elif kind == "s":
+                on = self.p.tensors[x].producer not in recompute and x not in offloaded
+            else:
+                on = x in recompute
             if on:
                 delta[first] += u
                 delta[last + 1] -= u
@@ -191,19 +202,23 @@ def solve_bound_and_repair(
     on_solution: Callable[[float, float], None] | None = None,
     gap_s: float = 0.0,
     offload: bool = False,
+    offload_plans: bool = False,
 ) -> BoundResult | None:
     """Bound the recompute time for this order, then repair the relaxation's plan until it fits.
 
     `simulate_steps(recompute)` returns the simulated live bytes per model step (the
     maximum over the steps a model step stands for), or None if the plan fits.
     `gap_s`: stop a solve once its objective is within this many seconds of its bound.
-    `offload`: bound over plans that may also offload (then only the bound is meaningful).
+    `offload`: bound over plans that may also offload (then only the bound is meaningful), unless
+    `offload_plans`: the plans offload too, `simulate_steps(recompute, offloaded)` simulates them and the
+    result's `offload` holds the tensors offloaded.
     """
     t0 = time.perf_counter()
     deadline = clock.now() + time_limit_s
-    model = _BoundModel(problem, fw_order, bw_order, offload)
+    model = _BoundModel(problem, fw_order, bw_order, offload or offload_plans)
     margin = [0] * model.o.T
     bound_s, status0, chosen, fits = 0.0, "UNKNOWN", set(hint or ()), False
+    offloaded: frozenset[int] = frozenset()
     rounds = 0
     for rounds in range(1, max_rounds + 1):
         left = deadline - clock.now()
@@ -225,15 +240,17 @@ def solve_bound_and_repair(
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
         chosen = {o for o, v in r.items() if solver.Value(v)}
-        over = simulate_steps(chosen)
+        if offload_plans:
+            offloaded = frozenset(t for t, v in model.f.items() if solver.Value(v))
+        over = simulate_steps(chosen, offloaded) if offload_plans else simulate_steps(chosen)
         if over is None:
             fits = True
             break
-        counted = model.model_profile(chosen)
+        counted = model.model_profile(chosen, offloaded)
         for k, live in enumerate(over):  # count next time what the model missed where it overflowed
             if live > budget_bytes:
                 margin[k] = max(margin[k], -(-live // model.unit) - counted[k])
-    return BoundResult(chosen, status0, bound_s, fits, rounds, time.perf_counter() - t0)
+    return BoundResult(chosen, status0, bound_s, fits, rounds, time.perf_counter() - t0, offloaded)
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):

@@ -105,6 +105,10 @@ def relaxation(ctx: Context, inc: Incumbent, deadline: float) -> None:
     starts.relaxation_and_repair(ctx.problem, inc, max(MIN_SLICE_S, _left(deadline)), ctx.workers, ctx.line)
 
 
+def relaxation_with_offloads(ctx: Context, inc: Incumbent, deadline: float) -> None:
+    starts.relaxation_with_offloads(ctx.problem, inc, max(MIN_SLICE_S, _left(deadline)), ctx.workers, ctx.line)
+
+
 def block_checkpointing(ctx: Context, inc: Incumbent, _deadline: float) -> None:
     starts.block_checkpointing(ctx.problem, inc, ctx.blocks)
 
@@ -206,6 +210,8 @@ FORWARD_ORDER = Move("forward order", lambda c: not c.training, forward_order, a
 EARLY_SEGMENTS = Move("segment search from the program", lambda c: c.training and c.small and c.tight, early_segments)
 INTERVAL_MODEL = Move("interval model", lambda c: c.training and c.small, interval_model, always=True)
 RELAXATION = Move("relaxation + repair", lambda c: c.training and not c.small, relaxation, always=True)
+RELAXATION_OFFLOADS = Move("relaxation with offloads", lambda c: c.training and not c.small and c.offload
+                           and c.budget is not None, relaxation_with_offloads, always=True)
 BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.budget is not None
                            and bool(c.blocks.blocks), block_checkpointing, always=True)
 REORDER = Move("reorder windows", lambda c: c.training, reorder_windows, improver=True)

@@ -81,6 +81,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.FORWARD_ORDER, 1.0),  # forward-only programs: the order is the whole decision
     (moves.EARLY_SEGMENTS, 0.45),  # tight budgets, small graphs: the segment search from the program first
     (moves.INTERVAL_MODEL, 0.15),  # small training graphs: save/recompute per fixed order
+    (moves.RELAXATION_OFFLOADS, 0.25),  # large training graphs that may offload: the relaxation deciding offloads too
     (moves.RELAXATION, 0.35),  # large training graphs: relaxation + repair
     (moves.BLOCK_CHECKPOINTING, 0.0),  # repeated blocks: each recomputed from its input (one simulation)
     (moves.REORDER, 0.25),  # reorder around the peak (small graphs: recomputation decided again)

@@ -234,3 +234,27 @@ def test_the_relaxation_with_offloads_fits_offloads_alike_and_beats_recomputatio
     recompute_only = solve_bound_and_repair(dataclasses.replace(p, host_bw=0.0), fw, bw, budget, lambda _r: None,
                                             time_limit_s=5.0, workers=1, max_rounds=1)
     assert replay.time_s < sum(o.time_s for o in p.ops) + recompute_only.bound_s
+
+
+@settings(FUZZ, max_examples=examples(30))
+@given(training_problems(), st.floats(0.2, 1.0), st.sampled_from(BANDWIDTHS), st.sampled_from((None, 0, 512, 2048)))
+def test_the_relaxation_with_offloads_offers_only_plans_that_replay(problem, frac, bw, host_budget):
+    """Whatever the bandwidth and host budget, a plan the relaxation with offloads offers replays in the simulator
+    within the host's budget, and one it calls fitting fits."""
+    from optsched.solvers.progress import ProgressLine
+    from optsched.solvers.search import starts
+    from optsched.solvers.search.incumbent import Incumbent
+
+    problem = dataclasses.replace(problem, host_bw=bw, host_budget_bytes=host_budget)
+    budget = int(frac * simulate(problem, default_schedule(problem)).peak_bytes)
+    inc = Incumbent(problem, budget)
+    starts.relaxation_with_offloads(problem, inc, 1.0, 1, ProgressLine("test", enabled=False))
+    for kept in (inc.best, inc.lowest):
+        if kept is None:
+            continue
+        replay = simulate(problem, kept.schedule)
+        assert replay.peak_bytes == kept.sim.peak_bytes
+        if host_budget is not None:
+            assert replay.host_bytes <= host_budget
+    if inc.best is not None:
+        assert inc.best.sim.peak_bytes <= budget

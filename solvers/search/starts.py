@@ -8,20 +8,23 @@ the interval save/recompute model per fixed order (small graphs), the relaxation
 
 from __future__ import annotations
 
+import logging
 import time
 
 from ..cpsat.bound import solve_bound_and_repair
 from ..cpsat.order import solve_order
 from ..cpsat.remat import min_peak_remat, solve_remat
 from ..model import clock
-from ..model.problem import Phase, Problem, Schedule, SolveStats, default_schedule
-from ..model.simulator import simulate
+from ..model.problem import Phase, Problem, Schedule, SolveStats, default_schedule, reject
+from ..model.simulator import ScheduleError, simulate
 from ..progress import ProgressLine
 from .blocks import Groups, find_blocks
 from .heuristics import greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates
 from .incumbent import Incumbent, fits, gap
 from .offload import step_with_compute_before
 from .reorder import base_orders, refine_order
+
+log = logging.getLogger(__name__)
 
 EXACT_ORDER_MAX_OPS = 300  # the exact order model proves optimality up to about this size
 INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good plans up to about this size
@@ -256,9 +259,13 @@ def relaxation_with_offloads(problem: Problem, inc: Incumbent, time_limit_s: flo
     groups = find_blocks(problem, fw)
     ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
     line.note("relaxation with offloads" + (f", {len(groups.blocks)} blocks deciding alike" if ties else ""))
-    res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
-                                 time_limit_s=time_limit_s, workers=workers, ties=ties, gap_s=GAP_TARGET * base_s,
-                                 offload_plans=True)
+    try:
+        res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
+                                     time_limit_s=time_limit_s, workers=workers, ties=ties, gap_s=GAP_TARGET * base_s,
+                                     offload_plans=True)
+    except ScheduleError as e:  # an offload the replay refuses (the host's budget): no plan from this start
+        reject(log, "candidate(s) rejected in the relaxation with offloads", e)
+        return
     if res is None or res.status in ("INFEASIBLE", "UNKNOWN", "MODEL_INVALID"):
         return
     sched = with_offloads(problem, fw, bw, res.recompute, res.offload)

@@ -10,6 +10,7 @@ counted); the order model's own optimum ignores both and proves nothing here.
 from __future__ import annotations
 
 from ..cpsat.bound import solve_bound_and_repair
+from ..model import clock
 from ..model.problem import Problem, Schedule, SolveStats
 from ..model.simulator import SimResult
 from .fusion_groups import merge_formed
@@ -19,6 +20,7 @@ from .reorder import base_orders
 from .starts import GAP_TARGET
 
 CERTIFY_MIN_S = 0.05  # less time than this: the relaxation is not started
+CUT_LINEARIZATION = 2  # CP-SAT's linearization level with its cuts (see _relaxation_bound)
 
 
 def merged(problem: Problem, schedule: Schedule) -> tuple[Problem, Schedule]:
@@ -63,12 +65,7 @@ def certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats
     problem, schedule = merged(problem, schedule)  # formed groups change times and memory
     fw, bw = base_orders(problem, schedule)
     base_s = sum(problem.ops[o].time_s for o in fw + bw)
-    res = None
-    if time_s > CERTIFY_MIN_S:
-        res = solve_bound_and_repair(
-            problem, fw, bw, budget, lambda _r: None, time_limit_s=time_s, workers=workers, max_rounds=1,
-            gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0, hint=set(schedule.recomputed(problem)),
-        )
+    res = _relaxation_bound(problem, fw, bw, budget, schedule, base_s, time_s, workers) if time_s > CERTIFY_MIN_S else None
     if res is None or res.status in ("UNKNOWN", "MODEL_INVALID", "INFEASIBLE"):
         if res is not None and res.status == "INFEASIBLE":  # a relaxation cannot reject a plan that fits
             stats.notes.append("relaxation found no plan in this order (a modelling bug)")
@@ -82,6 +79,32 @@ def certify(problem: Problem, schedule: Schedule, budget: int, stats: SolveStats
     _set_bound(stats, base_s + res.bound_s)
     space = "save/recompute/offload" if problem.host_bw > 0 else "save/recompute"
     stats.notes.append(f"bound: every {space} plan in this op order (relaxation)")
+
+
+def _relaxation_bound(problem: Problem, fw: list[int], bw: list[int], budget: int, schedule: Schedule, base_s: float,
+                      time_s: float, workers: int):
+    """The relaxation for this order solved for its bound at CP-SAT's default linearization (half the time, as
+    before), then, unless that proved it optimal, with its cuts (linearization level 2) in the time left: the
+    12-layer GPT's relaxation is optimal at once with them, where the default level stays 2% under its optimum
+    for seconds (the gap reported, 3.1% -> 1.2%). The higher bound is kept: both are valid."""
+    deadline = clock.now() + time_s
+    best = None
+    for level, share in ((None, 1.0), (CUT_LINEARIZATION, 2.0)):  # a first round takes half its limit
+        left = deadline - clock.now()
+        if left <= CERTIFY_MIN_S:
+            break
+        got = solve_bound_and_repair(
+            problem, fw, bw, budget, lambda _r: None, time_limit_s=share * left, workers=workers, max_rounds=1,
+            gap_s=GAP_TARGET * base_s, offload=problem.host_bw > 0, hint=set(schedule.recomputed(problem)),
+            linearization_level=level,
+        )
+        if got is not None and got.status == "INFEASIBLE":
+            return got  # a relaxation cannot reject a plan that fits: the caller says so
+        if got is not None and got.status in ("OPTIMAL", "FEASIBLE") and (best is None or got.bound_s > best.bound_s):
+            best = got
+        if best is not None and best.status == "OPTIMAL":
+            break
+    return best
 
 
 def _set_bound(stats: SolveStats, bound_s: float) -> None:

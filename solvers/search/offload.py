@@ -25,9 +25,24 @@ CANDIDATES_PER_ROUND = 6
 
 def prefetch_position(problem: Problem, sim: SimResult, tensor: int, lead: float = 1.0) -> int:
     """The latest backward position whose compute before `tensor`'s first backward reader lasts `lead` copy times."""
-    n_fw = sim.n_forward_steps
-    first = next(k for k in range(n_fw, len(sim.steps)) if (tensor, False) in sim.reads[k])
-    return step_with_compute_before(problem, sim, first, lead * problem.tensors[tensor].bytes / problem.host_bw) - n_fw
+    first = next(k for k in range(sim.n_forward_steps, len(sim.steps)) if (tensor, False) in sim.reads[k])
+    return _ahead_of(problem, sim, tensor, first, lead)
+
+
+def prefetch_positions(problem: Problem, sim: SimResult, tensors: frozenset[int], lead: float = 1.0) -> dict[int, int]:
+    """`prefetch_position` of each of `tensors` that the backward reads, in one pass over the backward's steps."""
+    first: dict[int, int] = {}
+    for k in range(sim.n_forward_steps, len(sim.steps)):
+        for t, recomputed in sim.reads[k]:
+            if not recomputed and t in tensors:
+                first.setdefault(t, k)
+    return {t: _ahead_of(problem, sim, t, k, lead) for t, k in first.items()}
+
+
+def _ahead_of(problem: Problem, sim: SimResult, tensor: int, first: int, lead: float) -> int:
+    """The backward position `lead` copy times of `tensor` ahead of step `first`."""
+    seconds = lead * problem.tensors[tensor].bytes / problem.host_bw
+    return step_with_compute_before(problem, sim, first, seconds) - sim.n_forward_steps
 
 
 def step_with_compute_before(problem: Problem, sim: SimResult, k: int, seconds: float) -> int:

@@ -21,7 +21,7 @@ from ..progress import ProgressLine
 from .blocks import Groups, find_blocks
 from .heuristics import greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates
 from .incumbent import Incumbent, fits, gap
-from .offload import step_with_compute_before
+from .offload import prefetch_positions
 from .reorder import base_orders, refine_order
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
     fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
     base_s = sum(o.time_s for o in problem.ops)
     groups = find_blocks(problem, fw)
-    ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
+    ties = _ties(groups)
     res = None
     if ties:  # repeated blocks decide alike first: a model L times smaller to search, solved in seconds
         line.note(f"relaxation + repair, {len(groups.blocks)} blocks deciding alike")
@@ -198,12 +198,13 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
     # pay within its slice on the Llama-7B graphs (8 to 80 layers, 60% and 40%: the same plan or a slower one after
     # the improvers, 0.3-2.5 s more wall time) and took the time the repair needed (80 layers at 40% in a 3.8 s
     # slice: no plan fitting). Untied when that repair does not fit (a long chain of layers all alike may not)
-    sched = None
+    sched = sim = None
     if res is not None and res.status == "OPTIMAL" and len(groups.blocks) > UNTIE_MAX_BLOCKS:
         sched = _greedy_repair(problem, budget, fw, bw, set(res.recompute), deadline, line)
-        if simulate(problem, sched).peak_bytes > budget:  # kept as the lowest plan yet, if it is
-            inc.offer(sched, "cp-sat relaxation + repair, program order, blocks alike + greedy")
-    if sched is None or simulate(problem, sched).peak_bytes > budget:
+        sim = simulate(problem, sched)
+        if sim.peak_bytes > budget:  # kept as the lowest plan yet, if it is
+            inc.offer(sched, "cp-sat relaxation + repair, program order, blocks alike + greedy", sim)
+    if sim is None or sim.peak_bytes > budget:
         # each block on its own, from the tied plan: kept when it fits and is faster
         untied = solve_bound_and_repair(
             problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
@@ -215,8 +216,8 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
             res = untied
         sched = _greedy_repair(problem, budget, fw, bw, set(res.recompute) if res is not None else set(), deadline,
                                line)
+        sim = simulate(problem, sched)
     chosen = set(res.recompute) if res is not None else set()
-    sim = simulate(problem, sched)
     bound = base_s + (res.bound_s if res is not None else 0.0)
     method = "cp-sat relaxation + repair, program order" + (
         ", blocks alike" if ties and res is not None and res.bound_s == 0.0 else "")
@@ -230,6 +231,11 @@ def relaxation_and_repair(problem: Problem, inc: Incumbent, time_limit_s: float,
         # is often lower, so the lowest peak reported (and the start of reordering) is never worse
         inc.offer(place_recomputes(problem, fw, bw, recompute_candidates(problem)),
                   "recompute every candidate, program order")
+
+
+def _ties(groups: Groups) -> list[list[int]]:
+    """Per position in a repeated block, that op in every block: the relaxation decides them alike."""
+    return [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
 
 
 def _greedy_repair(problem: Problem, budget: int, fw: list[int], bw: list[int], chosen: set[int], deadline: float,
@@ -257,7 +263,7 @@ def relaxation_with_offloads(problem: Problem, inc: Incumbent, time_limit_s: flo
     fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
     base_s = sum(o.time_s for o in problem.ops)
     groups = find_blocks(problem, fw)
-    ties = [[groups.members[b][j] for b in groups.blocks] for j in range(groups.period)] if groups.blocks else []
+    ties = _ties(groups)
     line.note("relaxation with offloads" + (f", {len(groups.blocks)} blocks deciding alike" if ties else ""))
     try:
         res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
@@ -322,14 +328,7 @@ def with_offloads(problem: Problem, fw: list[int], bw: list[int], recompute: set
     sched = place_recomputes(problem, fw, bw, recompute)
     if not offloaded:
         return sched
-    sim = simulate(problem, sched)
-    first_read: dict[int, int] = {}
-    for k in range(sim.n_forward_steps, len(sim.steps)):
-        for t, recomputed in sim.reads[k]:
-            if not recomputed and t in offloaded:
-                first_read.setdefault(t, k)
-    back = {t: step_with_compute_before(problem, sim, k, problem.tensors[t].bytes / problem.host_bw) - sim.n_forward_steps
-            for t, k in first_read.items()}
+    back = prefetch_positions(problem, simulate(problem, sched), offloaded)
     return Schedule(sched.fw_order, sched.bw_order, back, sched.formed)
 
 

@@ -117,6 +117,68 @@ def test_a_gradient_into_an_output_the_plan_did_not_expect_is_correct_and_replan
     assert _max_diff(eager.grads, second.grads) < 1e-6
 
 
+def test_a_loss_outside_a_model_returning_its_cache_is_planned_on_the_logits():
+    """`F.cross_entropy(model(ids).logits, y)` on a Hugging Face LM, which returns its key/value cache beside the
+    logits (use_cache's default): the first guess has gradients flowing into the logits only (the cache is read
+    by the model's own attention: an intermediate it hands out), which is what the caller does, so the first plan
+    is the step that runs (it was planned with a tangent and a caller's loss per cache tensor)."""
+    model, ids = _llama()
+    targets = torch.randint(0, 1000, ids.shape, generator=torch.Generator().manual_seed(2))
+
+    def outside(m):
+        return lambda i: F.cross_entropy(m(input_ids=i).logits.flatten(0, 1), targets.flatten())
+
+    eager = measure_training_step(outside(model), model, (ids,))
+    opt = optsched.optimize(model, eager.peak_bytes, **PLANNING)
+    first = measure_training_step(outside(opt), model, (ids,))
+    plan = opt.plan
+    usage = OutputUsage.parse(plan.summary()["output_usage"])
+    assert len(usage.grad) > 1 and sum(usage.grad) == 1  # the logits, not the cache
+    assert first.peak_bytes <= eager.peak_bytes
+    assert _max_diff(eager.grads, first.grads) == 0.0
+    measure_training_step(outside(opt), model, (ids,))
+    # what the first backward saw: the gradients the plan assumed (it held the logits where that fitted)
+    assert OutputUsage.parse(opt.plan.summary()["output_usage"]).grad == usage.grad
+
+
+class _Encoder(nn.Module):
+    """Returns a reconstruction and the code it was made from, as a VAE returns its mean beside its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(256, 64)
+        self.dec = nn.Linear(64, 256)
+
+    def forward(self, x):
+        code = torch.tanh(self.enc(x))
+        return self.dec(code), code
+
+
+def test_a_gradient_into_an_intermediate_output_is_correct_warned_and_replanned():
+    """The guess's other side: a caller that differentiates an output the model itself reads on (the code) gets
+    right gradients on the first step, a warning (its plan had no gradient for it) and a plan for it next."""
+    torch.manual_seed(0)
+    model, x = _Encoder(), torch.randn(64, 256)
+
+    def both(m):
+        def call(x):
+            out, code = m(x)
+            return (out - x).pow(2).mean() + code.pow(2).mean()
+        return call
+
+    eager = measure_training_step(both(model), model, (x,))
+    opt = optsched.optimize(model, "8MiB", **PLANNING)
+    with pytest.warns(optsched.OutputUsageWarning, match=r"output\(s\) \[1\].*planned 'gh,--', seen 'g-,g-'"):
+        both(opt)(x).backward()
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    assert _max_diff(eager.grads, first) < 1e-6
+    second = _steps(both(opt), model, (x,))
+    assert opt.plan.summary()["output_usage"] == "g-,g-"
+    assert _max_diff(eager.grads, second.grads) < 1e-6
+
+
 def test_an_output_held_through_the_backward_is_planned_as_held():
     torch.manual_seed(0)
     model, x = _TwoHeads(), torch.randn(64, 256)

@@ -92,7 +92,7 @@ def capture_training_step(
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         prepare_training(joint)
         jg = build_joint_graph(joint, num_fwd_outputs)
-        usage = default_usage(jg.fw_outputs, tangent_outputs(joint, jg.tangents))
+        usage = default_usage(jg, tangent_outputs(joint, jg.tangents))
         costs = profile_nodes(joint, torch.device("cpu"), reuse_candidates(jg)) if measure else None
         built = build_problem(jg, prof, name=type(model).__name__, measured=costs, usage=usage)
         kept = copy.deepcopy(joint)

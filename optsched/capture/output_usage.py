@@ -13,10 +13,11 @@ caller, not the model:
   through the backward; `loss_fn(model(x), y).backward()` drops it as soon as the loss is made.
 
 The plan is made on a guess (`default_usage`): only scalar outputs get gradients when there is a
-differentiable scalar (a loss), every differentiable output otherwise; and the caller holds none of
-them through the backward (`loss_fn(model(x), y).backward()`: the loss's graph keeps what the loss
-saves, cross-entropy its log-softmax, not the output), so the first plan, its budget's reference and
-its bound are those of the step as it runs there. Each backward observes what the caller really did
+differentiable scalar (a loss), else the outputs no forward op reads (logits, not the key/value cache
+the model also returns; `final_outputs`); and the caller holds none of them through the backward
+(`loss_fn(model(x), y).backward()`: the loss's graph keeps what the loss saves, cross-entropy its
+log-softmax, not the output), so the first plan, its budget's reference and its bound are those of the
+step as it runs there. Each backward observes what the caller really did
 (`UsageObserver`); when that differs from the plan's guess, the next call plans again with the
 observed usage, so from the second step on the plan follows the caller. A caller that holds an output
 the plan assumed dropped (`out = model(x); loss_fn(out, y).backward()`) runs that first step up to the
@@ -35,6 +36,8 @@ import torch
 import torch.fx as fx
 
 from .._torch import COMPILED_FUNCTION_BACKWARD, PLAIN_AOT_OUTPUT, tree_leaves
+from ..solvers.model.problem import Phase
+from .joint_graph import JointGraph
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,11 @@ def tangent_outputs(joint: fx.GraphModule, tangents: list[fx.Node]) -> list[int 
     return out
 
 
-def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage:
+def default_usage(jg: JointGraph, tangent_of: list[int | None]) -> OutputUsage:
     """The plan's guess before any backward was seen (see the module docstring): gradients into the loss, else
-    into every differentiable output; nothing held but a scalar loss (whose hold no plan feels)."""
+    into the step's final outputs (`final_outputs`), else into every differentiable output; nothing held but a
+    scalar loss (whose hold no plan feels)."""
+    fw_outputs = jg.fw_outputs
     n = len(fw_outputs)
     differentiable = {i for i in tangent_of if i is not None}
 
@@ -81,8 +86,23 @@ def default_usage(fw_outputs: list, tangent_of: list[int | None]) -> OutputUsage
         return isinstance(v, torch.Tensor) and v.dim() == 0
 
     scalars = {i for i in differentiable if is_scalar(i)}
-    grad = tuple(i in (scalars or differentiable) for i in range(n))
+    wanted = scalars or (differentiable & final_outputs(jg)) or differentiable
+    grad = tuple(i in wanted for i in range(n))
     return OutputUsage(grad, tuple(g and i in scalars for i, g in enumerate(grad)))
+
+
+def final_outputs(jg: JointGraph) -> set[int]:
+    """The forward outputs no forward op reads: what the model computes last (logits), as against the intermediates
+    it also hands out (a key/value cache, a hidden state its head reads). A loss outside the model is computed from
+    those; guessing that gradients flow into the intermediates too planned a tangent and a caller's loss for each
+    (Hugging Face models return their key/value cache by default): 1.9x the bound of the step the caller runs, and
+    a first call refused at budgets that step fits, with no backward ever run to correct the guess. A caller that
+    does differentiate an intermediate (a VAE's mean and variance) gets its first step warned and the next planned
+    for it (`warn_if_underplanned`); its gradients are right either way (`zeros_if_missing`)."""
+    read = {s for n in jg.compute if jg.phase.get(n) is Phase.FW
+            for s in jg.arg_storages(n) if s not in jg.outputs_of.get(n, ())}
+    return {i for i, o in enumerate(jg.fw_outputs)
+            if isinstance(o, fx.Node) and not read.intersection(jg.node_storages(o))}
 
 
 class UsageObserver:

@@ -207,7 +207,7 @@ class PlanningBackend:
         tangent_of = tangent_outputs(joint, jg.tangents)
         if self.usage is not None and len(self.usage.grad) == len(jg.fw_outputs):
             return self.usage, tangent_of
-        return default_usage(jg.fw_outputs, tangent_of), tangent_of
+        return default_usage(jg, tangent_of), tangent_of
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs):
         """Plan a forward-only program (its passes first) and lower it."""

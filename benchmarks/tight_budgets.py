@@ -27,7 +27,10 @@ Lowest feasible (``lowest_feasible``), plans only (no step run) until the end:
   4. stop after ``--probes`` probes (default 4) or when best - max(floor, bound) < 1% of eager;
   5. then each lowest feasible peak another run (label) of the JSON recorded for the case, when below the best
      found: a budget of exactly that (does this code reach what the other did? the bisection's path may miss
-     a plan: OPT at bench size fits 13.55 MiB with a 13.43 MiB plan but not 13.80).
+     a plan: OPT at bench size fits 13.55 MiB with a 13.43 MiB plan but not 13.80);
+  6. then, up to twice, the lowest peak L of a failed search's error when it is below the best: a budget of
+     exactly L from that error (step 2's probe, which the probe count or the targets may have left out: the
+     checkpointed TinyLM's errors found 12.33 MiB plans while its best probe stood at 12.82).
   The best plan found is then run: measured peak, gradients, time vs eager. Every probe is
   recorded (budget, fits or not, peak, bound, plan s).
 
@@ -74,6 +77,7 @@ ZOO_FRACTIONS = (0.6, 0.4)
 DEFAULT_CASES = ("gpt2-labels", "llama-labels", "llama-outside", "opt-labels", "gpt-neox-outside", "vit",
                  "transformer-encoder", "checkpoint")
 HINT_MARGIN = 0.002  # of eager's peak: an infeasible error's lowest peak this close to the floor is not tried
+LOWEST_FOUND_PROBES = 2  # after the search: probes at failed searches' lowest peaks below the best plan
 STOP_WITHIN = 0.01  # of eager's peak: bisection stops when the best is this close to the floor or bound
 
 
@@ -246,6 +250,9 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         print(f"      probe {budget / MIB:8.2f} MiB ({why}): {_short(row)}", flush=True)
         if opt is not None and row["predicted_peak_bytes"] <= budget and (best_peak is None or row["predicted_peak_bytes"] < best_peak):
             best_peak, best_budget, best_opt = row["predicted_peak_bytes"], budget, (opt, row)
+        if row.get("infeasible"):
+            hints.append(row["lowest_peak_bytes"] if row.get("searched", True) else row["lower_bound_bytes"])
+            hints.sort()
         del opt
         gc.collect()
         return row
@@ -267,10 +274,16 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
             floor = max(floor, budget)
             if row.get("lower_bound_bytes"):
                 bound = min(bound, row["lower_bound_bytes"]) if bound else row["lower_bound_bytes"]
-            hints = sorted(set(hints) | {row["lowest_peak_bytes"] if row.get("searched", True) else row["lower_bound_bytes"]})
     for target in sorted(set(targets)):  # does this run reach what another did? (its search path may miss it)
         if (best_peak is None or target < best_peak) and target not in tried and target >= bound:
             probe(target, "another run's lowest feasible")
+    # a search that failed its budget found a plan at its lowest peak (the error keeps it): below the best, that plan
+    # is the lowest found, confirmed by planning at that peak from the error, as a user would, and measured
+    for _ in range(LOWEST_FOUND_PROBES):
+        below = [h for h in hints if (best_peak is None or h < best_peak) and h not in tried and h >= bound]
+        if not below or (best_peak is not None and best_peak - below[0] < HINT_MARGIN * eager_peak):
+            break
+        probe(below[0], "infeasible error's lowest peak")
     res: dict = {"offload": offload, "probes": out_probes, "search_s": time.perf_counter() - t_start, "bound_bytes": bound,
                  "floor_budget_bytes": floor, "lowest_peak_bytes": best_peak, "budget_bytes": best_budget}
     if best_peak is None:

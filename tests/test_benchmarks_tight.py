@@ -31,6 +31,12 @@ def test_tight_budgets_harness_on_smallest_case(tmp_path, monkeypatch):
     assert low["bound_bytes"] == row["lower_bound_bytes"]
     probe = next(p for p in low["probes"] if p["budget_bytes"] == low["budget_bytes"])
     assert low["bound_bytes"] <= low["lowest_peak_bytes"] <= probe["budget_bytes"] < row["lowest_peak_bytes"], low
+    # a plan a failed search found (its error's lowest peak) below the best is probed for, so the lowest reported is
+    # the lowest found (unless the probes it gets, LOWEST_FOUND_PROBES, all found lower again)
+    found = [p["lowest_peak_bytes"] for p in low["probes"] if p.get("infeasible") and p.get("searched", True)]
+    asked = sum(p["why"] == "infeasible error's lowest peak" for p in low["probes"])
+    assert (all(f >= low["lowest_peak_bytes"] - tight_budgets.HINT_MARGIN * eager for f in found)
+            or asked >= tight_budgets.LOWEST_FOUND_PROBES), low["probes"]
     run = low["run"]
     assert run["predicted_peak_bytes"] <= probe["budget_bytes"], run
     # measured = predicted, but for the caller's targets (4 x 64 int64: 2 KiB), which the model never reads and the

@@ -43,9 +43,21 @@ copy one step before the reading step only when that step is its last reader). T
   the caller's tensors, the step outputs made in the forward, and the forward values the backward reads
   that can neither be recomputed nor offloaded nor written over at the backward's first step.
 
+* **Each backward op b again, with its forward operands' save/recompute choices weighed** (`_choices`): in the
+  simulator a forward value is saved (one copy, live from the forward to its last read) or its producer is
+  recomputed once in the backward, before its first backward read, every later read taking that copy. An operand
+  x of b that is saved is therefore live at every backward op that runs before b in every plan (b's ancestors);
+  one recomputed was recomputed before b, which read its producer's inputs and made its other outputs then: each
+  of those a descendant of b reads again has a copy spanning both reads, live at b, and is itself saved (live
+  before b) or recomputed before b in turn. Each combination of choices gives the values live at b and those
+  live at the ops before b; the bound is the least, over the combinations, of the largest of those points'
+  bounds (each point's bound with its values counted). Values the host may hold make no claim. Tried at the
+  CHAIN_POINTS backward ops with the highest bounds, against the CHAIN_BEFORE highest ops before each.
+
 The cuts are exact minimum cuts (a small Dinic max-flow); the backward ops are visited in the order of
 an upper bound of theirs, so most need no flow at all; once the networks built reach `WORK_BUDGET` edges
-the remaining ops keep their constant part (still a valid bound, and deterministic: no clock is read).
+the remaining ops keep their constant part (still a valid bound, and deterministic: no clock is read); the
+choices above build at most CHAIN_WORK edges more.
 """
 
 from __future__ import annotations
@@ -61,6 +73,11 @@ from ..model.fusion_sim import internal_tensors
 from ..model.problem import Phase, Problem, TensorKind
 
 WORK_BUDGET = 200_000  # edges of the cut networks built per problem (then the rest keep their constant part)
+CHAIN_WORK = 100_000  # edges of the cut networks the save/recompute choices below may build on top
+CHAIN_POINTS = 3  # backward ops with the highest bounds where the operands' save/recompute choices are weighed
+CHAIN_BEFORE = 3  # the backward ops before each (the highest upper bounds) where a saved operand is counted
+CHAIN_CHOICES = 32  # save/recompute combinations weighed per point at most (more: that point is left as it is)
+CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed
 _INF = 1 << 62
 
 
@@ -190,6 +207,7 @@ class _Bound:
                            reverse=True)
         else:  # too large to bound each: the constant parts decide the order, with no early stop
             order = sorted(((_INF, b.id) for b in bw), key=lambda x: (-consts[x[1]][0], x[1]))
+        found: dict[int, int] = {}
         for up, b in order:
             if up <= best:
                 break
@@ -197,6 +215,15 @@ class _Bound:
             v = const
             if self.work < WORK_BUDGET:
                 v += self._cut(p.ops[b], skip)
+            found[b] = v
+            if v > best:
+                best, where = v, f"at {p.ops[b].name}"
+        upper = {b: up for up, b in order}
+        self.chain_end = self.work + CHAIN_WORK
+        for b in sorted(found, key=lambda b: (-found[b], b))[:CHAIN_POINTS]:
+            if self.work >= self.chain_end:
+                break
+            v = self._chained(p.ops[b], consts, upper, found, best)
             if v > best:
                 best, where = v, f"at {p.ops[b].name}"
         self.where = where
@@ -370,6 +397,91 @@ class _Bound:
         flow = net.max_flow(SRC, SNK)
         self.flow_steps += net.steps
         return flow
+
+
+    # ------------------------------------------------------------------ save or recompute b's operands
+
+    def _chained(self, b, consts: dict, upper: dict, found: dict, best: int) -> int:
+        """A bound at `b` over the plan's save/recompute choices for b's forward operands (see `_choices`): each
+        choice keeps some values live at b and others at every backward op before b; the least over the choices
+        of the largest of those points' bounds. 0 when there is nothing to choose, too much, or no work left.
+        `upper`, `found`: per backward op, an upper bound and (filled in here) its bound."""
+        p = self.p
+        choices = self._choices(b)
+        if choices is None or len(choices) < 2:
+            return 0
+        before = [q for q in upper if self.anc[b.id] >> q & 1]  # backward ops that run before b in every plan
+        for q in sorted(before, key=lambda q: (-upper[q], q))[:CHAIN_BEFORE * 3]:
+            if q not in found and self.work < self.chain_end:
+                found[q] = consts[q][0] + self._cut(p.ops[q], consts[q][1])
+        before = sorted((q for q in before if q in found), key=lambda q: (-found[q], q))[:CHAIN_BEFORE]
+        least = _INF
+        for at_b, at_before in choices:
+            v = self._forced(b, *consts[b.id], at_b)
+            for q in before:
+                if v >= least or self.work >= self.chain_end:
+                    break
+                if at_before:
+                    v = max(v, self._forced(p.ops[q], *consts[q], at_before))
+            if self.work >= self.chain_end:
+                return 0
+            least = min(least, v)
+            if least <= best:
+                return least
+        return least
+
+    def _forced(self, op, const: int, skip: set[int], live: frozenset[int]) -> int:
+        """The bound at `op` with `live` known to be live there."""
+        return const + sum(self.size[t] for t in live - skip) + self._cut(op, skip | live)
+
+    def _choices(self, b) -> list[tuple[frozenset[int], frozenset[int]]] | None:
+        """Per plan, what its choice for b's forward operands keeps live: (at b, at every backward op before b).
+        In the simulator a forward value is saved (its one copy live from the forward to its last read) or its
+        producer recomputed once in the backward, before its first backward read, every later read taking that
+        copy. So an operand x of b that is saved is live at every backward op before b; one recomputed was
+        recomputed before b, which read the producer's inputs and made its other outputs there: each of those
+        that a descendant of b reads again is then live at b (its copy spans both reads), and is itself saved or
+        recomputed before b in turn. Values the host may hold (offloadable) make no claim. None: more than
+        CHAIN_CHOICES combinations."""
+        p = self.p
+        desc = self.desc[b.id]
+
+        def claimable(t: int) -> bool:
+            return (self.fw_made[t] and t not in self.fw_outputs and self.size[t] > 0 and not self.offloadable[t])
+
+        def read_after(t: int) -> bool:  # by a descendant of b, in every plan after b
+            return any(desc >> r & 1 for r in self.readers[t] if p.ops[r].phase is Phase.BW)
+
+        def combine(xs, ys):
+            out = [(a | c, d | e) for a, d in xs for c, e in ys]
+            if len(out) > CHAIN_CHOICES:
+                raise _TooMany
+            return out
+
+        def options(t: int, at_b: frozenset[int], depth: int):
+            saved = (at_b, frozenset({t}))
+            prod = p.tensors[t].producer
+            if not self.recomputable[prod] or depth >= CHAIN_DEPTH:
+                return [saved]
+            made = frozenset(y for y in p.ops[prod].outputs if y != t and claimable(y) and read_after(y))
+            recomputed = [(at_b | made, frozenset())]
+            for u in dict.fromkeys(p.ops[prod].inputs):
+                if claimable(u) and read_after(u):
+                    recomputed = combine(recomputed, options(u, frozenset({u}), depth + 1))
+            return [saved, *recomputed]
+
+        choices = [(frozenset(), frozenset())]
+        try:
+            for x in dict.fromkeys(b.inputs):
+                if claimable(x):
+                    choices = combine(choices, options(x, frozenset(), 0))
+        except _TooMany:
+            return None
+        return choices
+
+
+class _TooMany(Exception):
+    """More save/recompute combinations than `_choices` considers."""
 
 
 def fused_sizes(p: Problem) -> list[int]:

@@ -40,18 +40,20 @@ BUDGETS = (None, 0.6)
 _results: dict[str, dict] = {}
 
 # cases whose 60% no plan reaches at the test size: (the planner's bound, 60% of eager's peak, the lowest peak the
-# search found, eager's peak) in MiB, as measured (torch 2.13, CPU); the bound was checked against the run's plans
-# (`_check_reported_bound`). All compute the loss outside the model, so the caller's logits and loss tensors
-# cross the forward/backward boundary. The case's within-budget test is xfail(strict) for them.
+# search found or None where the bound is above the budget and no search runs, eager's peak) in MiB, as measured
+# (torch 2.13, CPU); the bound was checked against the run's plans (`_check_reported_bound`). All compute the loss
+# outside the model, so the caller's logits and loss tensors cross the forward/backward boundary. The case's
+# within-budget test is xfail(strict) for them. (Until the first guess left the key/value caches out of the
+# gradients, the Hugging Face ones were planned with a gradient into each: bounds of 3.83-4.43 MiB.)
 _OUT_OF_REACH = {
-    "llama-outside": (4.08, 3.62, 5.24, 6.04), "mistral-outside": (4.08, 3.62, 5.24, 6.04),
-    "qwen2-outside": (4.08, 3.62, 5.24, 6.04), "gemma-outside": (3.83, 3.48, 5.01, 5.79),
-    "phi-outside": (4.43, 3.57, 5.66, 5.95), "opt-outside": (4.21, 3.07, 5.75, 5.11),
-    "gpt-neox-outside": (4.43, 3.19, 5.65, 5.32), "transformer-encoder": (3.68, 3.01, 4.66, 5.01),
+    "llama-outside": (3.70, 3.62, None, 6.04), "mistral-outside": (3.70, 3.62, None, 6.04),
+    "qwen2-outside": (3.70, 3.62, None, 6.04), "gemma-outside": (3.46, 3.48, 3.60, 5.79),
+    "phi-outside": (3.68, 3.57, None, 5.95), "opt-outside": (3.53, 3.06, None, 5.11),
+    "gpt-neox-outside": (3.68, 3.19, None, 5.32), "transformer-encoder": (3.68, 3.00, None, 5.01),
 }
 OUT_OF_REACH_AT_60: dict[str, str] = {
-    name: (f"the loss outside: every plan needs at least {bound} MiB (the planner's bound; lowest found {low}, "
-           f"eager {eager} MiB), 60% is {budget} MiB")
+    name: (f"the loss outside: every plan needs at least {bound} MiB (the planner's bound"
+           + (f"; lowest found {low}, eager {eager} MiB" if low is not None else f", eager {eager} MiB") + f"), 60% is {budget} MiB")
     for name, (bound, budget, low, eager) in _OUT_OF_REACH.items()
 }
 

@@ -77,7 +77,7 @@ CHAIN_WORK = 100_000  # edges of the cut networks the save/recompute choices bel
 CHAIN_POINTS = 3  # backward ops with the highest bounds where the operands' save/recompute choices are weighed
 CHAIN_BEFORE = 3  # the backward ops before each (the highest upper bounds) where a saved operand is counted
 CHAIN_CHOICES = 32  # save/recompute combinations weighed per point at most (more: that point is left as it is)
-CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed
+CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed (beyond: no claim about them)
 _INF = 1 << 62
 
 
@@ -461,8 +461,10 @@ class _Bound:
         def options(t: int, at_b: frozenset[int], depth: int):
             saved = (at_b, frozenset({t}))
             prod = p.tensors[t].producer
-            if not self.recomputable[prod] or depth >= CHAIN_DEPTH:
+            if not self.recomputable[prod]:
                 return [saved]
+            if depth >= CHAIN_DEPTH:  # recomputed, its inputs are not followed further: no claim about them
+                return [saved, (at_b, frozenset())]
             made = frozenset(y for y in p.ops[prod].outputs if y != t and claimable(y) and read_after(y))
             recomputed = [(at_b | made, frozenset())]
             for u in dict.fromkeys(p.ops[prod].inputs):

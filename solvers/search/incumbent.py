@@ -89,10 +89,32 @@ class Incumbent:
             self.best = cand
         if better(sim, self.lowest and self.lowest.sim, NOTHING_FITS):
             self.lowest = cand
+            if not fits(sim, self.budget):
+                self._offer_placed(cand)
         if (self.budget is not None and not fits(sim, self.budget) and sim.peak_bytes <= self.budget * (1 + NEAR)
                 and (self._near is None or sim.time_s < self._near.sim.time_s)):
             self._near = cand
         return cand
+
+    def _offer_placed(self, cand: Candidate) -> None:
+        """A new lowest plan over the budget, its recomputations each moved to just before the first step that
+        reads them (`place_recomputes`), in its own orders: moves that splice plans together can leave one early,
+        live across steps that do not need it (the bundled GPT at 40%: a segment search's 37.20 MiB plan, re-placed,
+        fits at 36.28). Plans that offload or form fusion options keep their steps (positions index them)."""
+        from .heuristics import place_recomputes
+
+        sched = cand.schedule
+        if sched.offload or sched.formed:
+            return
+        bw = [o for o in sched.bw_order if self.problem.ops[o].phase.value == "bw"]
+        placed = place_recomputes(self.problem, sched.fw_order, bw, cand.sim.recomputed_ops)
+        if placed.bw_order == sched.bw_order:
+            return
+        try:  # moved later, a recomputation may read an input an update in the backward has overwritten: not a plan
+            sim = simulate(self.problem, placed)
+        except ScheduleError:
+            return
+        self.offer(placed, f"{cand.stats.method}, recomputations at first use", sim)
 
     @property
     def near(self) -> Candidate | None:

@@ -102,13 +102,13 @@ class Incumbent:
         reads them (`place_recomputes`), in its own orders: moves that splice plans together can leave one early,
         live across steps that do not need it (the bundled GPT at 40%: a segment search's 37.20 MiB plan, re-placed,
         fits at 36.28). Plans that offload or form fusion options keep their steps (positions index them)."""
-        from .reorder import base_orders  # reorder -> segments -> incumbent: imported here
-
         sched = cand.schedule
         if sched.offload or sched.formed:
             return
-        fw, bw = base_orders(self.problem, sched)
-        placed = place_recomputes(self.problem, fw, bw, cand.sim.recomputed_ops)
+        # its backward without recomputations, as reorder.base_orders gives it (not imported: reorder imports
+        # segments, which imports this module, and tests/test_layout.py refuses the cycle)
+        bw = [o for o in sched.bw_order if self.problem.ops[o].phase.value == "bw"]
+        placed = place_recomputes(self.problem, sched.fw_order, bw, cand.sim.recomputed_ops)
         if placed.bw_order == sched.bw_order:
             return
         try:  # moved later, a recomputation may read an input an update in the backward has overwritten: not a plan

@@ -16,7 +16,7 @@ import pytest
 from optsched.solvers import Op, Phase, Problem, Schedule, Tensor, TensorKind, default_schedule, simulate, solve
 from optsched.solvers.model import clock
 from optsched.solvers.model.problem import FusionOption
-from optsched.solvers.search import strategy
+from optsched.solvers.search import moves, strategy
 from optsched.solvers.search.heuristics import lower_bound_peak
 from optsched.solvers.search.incumbent import Incumbent, better
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
@@ -207,7 +207,6 @@ def test_a_faster_plan_just_over_the_budget_is_fitted_by_offloading():
     offload ladder offloads on top of it before anything else (Llama-7B, 80 layers at 40%: the relaxation's plan
     0.14% over at 1.12x, block checkpointing's fitting at 1.28x; it was kept at 1.20x)."""
     from optsched.solvers.progress import ProgressLine
-    from optsched.solvers.search import moves
     from optsched.solvers.search.heuristics import greedy_recompute
     from optsched.solvers.search.incumbent import NEAR
 
@@ -270,6 +269,30 @@ def test_a_plan_that_fits_only_through_in_place_reuse_is_found():
     assert simulate(p, sol.schedule).peak_bytes == sol.sim.peak_bytes
 
 
+def test_the_swap_search_walks_across_a_flat_peak(monkeypatch):
+    """Where no single recomputation more, less or swapped lowers the peak (several steps at its height), the
+    swap search takes the change that lowers the bytes over the budget summed over the steps and goes on: it
+    ends lower than the same search on the peak alone, and every plan it reports replays at its peak."""
+    from optsched.solvers.search import starts
+
+    p = chain_training_problem(n_layers=7, seed=0)
+    budget = lower_bound_peak(p)
+
+    def lowest() -> tuple[int, Incumbent]:
+        inc = Incumbent(p, budget)
+        inc.offer(default_schedule(p), "unplanned")
+        with clock.deterministic():
+            starts.swap_recomputes(p, inc, clock.now() + 100.0)
+        assert simulate(p, inc.lowest.schedule).peak_bytes == inc.lowest.sim.peak_bytes
+        return inc.lowest.sim.peak_bytes, inc
+
+    walked, inc = lowest()
+    assert not inc.found  # the budget is the bound: out of reach here, so the search ran to its end
+    monkeypatch.setattr(starts, "_over", lambda sim, budget: 0)  # the peak alone decides
+    alone, _ = lowest()
+    assert walked < alone, (walked, alone)
+
+
 def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
     """The moves that need a plan that fits (fusion options, certification) reserve time that, when none
     does, goes to the portfolio again at budgets just below the lowest peak found: the lowest peak
@@ -284,8 +307,9 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
         slices.append(deadline - clock.now())
         strategy.aim_lower(ctx, inc, deadline)
 
+    # without the swap search, which reaches the same lowest peak here on its own (and so would hide the effect)
     table = tuple((dataclasses.replace(m, run=recorded) if m is strategy.AIM_LOWER else m, w)
-                  for m, w in strategy.TIME_TABLE)
+                  for m, w in strategy.TIME_TABLE if m is not moves.RECOMPUTE_SWAPS)
 
     def lowest() -> int:
         with pytest.raises(strategy.BudgetInfeasibleError) as e:

@@ -28,6 +28,8 @@ from .segments import improve_by_segments
 
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search also runs first, from the program
 CHAIN = True  # combine per-block options along the chain (search/chain.py) after the segment search
+SWAP_MAX_OPS = 2000  # the recompute swaps' neighbourhood (candidates x recomputations, a simulation each) above this
+# is too large to walk in a slice
 MIN_SLICE_S = 0.1  # a move whose slice is shorter than this does not start (but `Move.always`)
 
 
@@ -111,6 +113,10 @@ def relaxation_with_offloads(ctx: Context, inc: Incumbent, deadline: float) -> N
 
 def block_checkpointing(ctx: Context, inc: Incumbent, _deadline: float) -> None:
     starts.block_checkpointing(ctx.problem, inc, ctx.blocks)
+
+
+def recompute_swaps(ctx: Context, inc: Incumbent, deadline: float) -> None:
+    starts.swap_recomputes(ctx.problem, inc, deadline)
 
 
 def reorder_windows(ctx: Context, inc: Incumbent, deadline: float) -> None:
@@ -214,6 +220,9 @@ RELAXATION_OFFLOADS = Move("relaxation with offloads", lambda c: c.training and 
                            and c.budget is not None, relaxation_with_offloads, always=True)
 BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.budget is not None
                            and bool(c.blocks.blocks), block_checkpointing, always=True)
+RECOMPUTE_SWAPS = Move("recompute swaps", lambda c: c.training and c.budget is not None
+                       and len(c.problem.ops) <= SWAP_MAX_OPS, recompute_swaps, wanted=lambda inc: not inc.found,
+                       improver=True)
 REORDER = Move("reorder windows", lambda c: c.training, reorder_windows, improver=True)
 OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder, improver=True)
 REORDER_LOWEST = Move("reorder windows (copies kept)", lambda c: c.training and c.offload, reorder_lowest,

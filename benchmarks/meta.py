@@ -2,20 +2,26 @@
 
     {"meta": {"commit": "<40 hex>", "short": "<7 hex>", "clean": true, "dirty_files": [],
               "date": "2026-11-26T07:49:50", "torch": "2.13.0+cpu", "python": "3.12.3",
-              "command": "python -m benchmarks.zoo", "wall_s": 1531.4}}
+              "command": "python -m benchmarks.zoo", "wall_s": 1531.4,
+              "machine": {"cpu": "AMD EPYC", "cpus": 2, "probe_s": 0.372}}}
 
 ``clean`` is whether the tracked files (``git status --porcelain``, untracked files left out) matched the
 commit, apart from what the benchmark pipeline itself rewrites (``OUTPUTS``: the results, the README, the
 docs' tables and the notebooks), so that a run of ``make bench`` does not call its own later benchmarks
 dirty. ``dirty_files`` lists the others. ``wall_s`` is the seconds from the import of ``benchmarks`` (the
-start of ``python -m benchmarks.<name>``) to the write. ``benchmarks.report`` prints the commit line of each
-table from it, and ``python -m benchmarks.report --check`` fails on a JSON without a commit.
+start of ``python -m benchmarks.<name>``) to the write. ``machine``: the CPU's model name, its logical CPUs, and
+``probe_s``, the best of three timings of one fixed pure-Python loop (`cpu_probe`): the deterministic clock's
+units are seconds of the reference machine, so a plan's wall seconds scale with this (two runs' ratio).
+``benchmarks.report`` prints the commit line of each table from it, and ``python -m benchmarks.report --check``
+fails on a JSON without a commit.
 """
 
 from __future__ import annotations
 
 import datetime
 import fnmatch
+import functools
+import os
 import platform
 import subprocess
 import sys
@@ -50,6 +56,34 @@ def git_tree(root: Path = ROOT) -> dict:
     return {"commit": commit, "short": commit[:7], "clean": not dirty, "dirty_files": dirty[:50]}
 
 
+PROBE_N = 3_000_000  # the probe's loop length: about 0.2-0.4 s of one core
+
+
+def cpu_probe() -> float:
+    """Best of three timings of a fixed pure-Python loop, in seconds (lower: a faster core)."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(PROBE_N))
+        best = min(best, time.perf_counter() - t0)
+    return round(best, 3)
+
+
+@functools.cache
+def machine() -> dict:
+    """The CPU model (from /proc/cpuinfo where there is one), logical CPUs and `cpu_probe`, once per process (a
+    benchmark writes its JSON after every case)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "probe_s": cpu_probe()}
+
+
 def run_meta() -> dict:
     """The ``meta`` of a JSON written now."""
     try:
@@ -62,7 +96,8 @@ def run_meta() -> dict:
     if argv and argv[0].endswith(".py") and "benchmarks" in argv[0]:
         argv[0] = "python -m benchmarks." + Path(argv[0]).stem
     return {**git_tree(), "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch_version,
-            "python": platform.python_version(), "command": " ".join(argv), "wall_s": round(time.monotonic() - _STARTED, 1)}
+            "python": platform.python_version(), "command": " ".join(argv), "wall_s": round(time.monotonic() - _STARTED, 1),
+            "machine": machine()}
 
 
 def with_meta(data: dict) -> dict:

@@ -693,6 +693,10 @@ def planning_time_table(d: dict) -> str:
     worst = d.get("worst_plan_over_limit")
     lines += ["", f"Worst planning time / limit: {worst:.2f} (the issue's allowance: {d['slack']}); "
               + ("every run within it." if d.get("within_slack") else "**over it in some runs.**")]
+    m = (d.get("meta") or {}).get("machine")
+    if m:  # the clock counts seconds of the reference machine: wall seconds scale with the machine's speed
+        lines += ["", f"Machine: {m.get('cpu')}, {m.get('cpus')} CPUs, CPU probe {m.get('probe_s')} s "
+                      "(benchmarks/meta.py's `cpu_probe`: a fixed pure-Python loop, lower is faster)."]
     if d.get("fit"):
         lines += ["", _calibration_table(d["fit"])]
     return "\n".join(lines)

@@ -170,6 +170,14 @@ def test_clean_ignores_what_make_bench_rewrites(tmp_path):
     assert meta.git_tree(tmp_path / "not-a-repo")["commit"] is None
 
 
+def test_each_json_records_the_machine_and_the_planning_table_shows_it():
+    m = meta.run_meta()["machine"]
+    assert isinstance(m["cpu"], str) and m["cpu"] and m["cpus"] >= 1 and 0 < m["probe_s"] < 60
+    d = json.loads((ROOT / "benchmarks" / "results" / "planning_time.json").read_text())
+    d["meta"] = {**d["meta"], "machine": {"cpu": "Some CPU", "cpus": 2, "probe_s": 0.321}}
+    assert "Machine: Some CPU, 2 CPUs, CPU probe 0.321 s" in report.planning_time_table(d)
+
+
 def test_zoo_table_labels_first_call_and_solver_seconds():
     d = json.loads((ROOT / "benchmarks" / "results" / "zoo.json").read_text())
     table = report.zoo_table(d)

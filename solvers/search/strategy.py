@@ -84,7 +84,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.RELAXATION_OFFLOADS, 0.25),  # large training graphs that may offload: the relaxation deciding offloads too
     (moves.RELAXATION, 0.35),  # large training graphs: relaxation + repair
     (moves.BLOCK_CHECKPOINTING, 0.0),  # repeated blocks: each recomputed from its input (one simulation)
-    (moves.RECOMPUTE_SWAPS, 0.6),  # nothing fits: one recomputation more, less or swapped, on the simulator
+    (moves.RECOMPUTE_SWAPS, 0.4),  # nothing fits: one recomputation more, less or swapped, on the simulator
     (moves.REORDER, 0.25),  # reorder around the peak (small graphs: recomputation decided again)
     (moves.OFFLOAD, 0.15),  # offloading allowed: the greedy ladder
     (moves.SEGMENTS, 0.35),  # budgeted training: replan segments, copied to repeated blocks

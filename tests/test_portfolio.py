@@ -288,7 +288,7 @@ def test_the_swap_search_walks_across_a_flat_peak(monkeypatch):
 
     walked, inc = lowest()
     assert not inc.found  # the budget is the bound: out of reach here, so the search ran to its end
-    monkeypatch.setattr(starts, "_over", lambda sim, budget: 0)  # the peak alone decides
+    monkeypatch.setattr(starts, "bytes_over", lambda sim, budget: 0)  # the peak alone decides
     alone, _ = lowest()
     assert walked < alone, (walked, alone)
 

@@ -25,6 +25,14 @@ def fits(sim: SimResult, budget: int | None) -> bool:
     return budget is None or sim.peak_bytes <= budget
 
 
+def bytes_over(sim: SimResult, budget: int | None) -> int:
+    """The bytes over `budget` summed over the plan's steps (the caller's loss between forward and backward counted
+    as one step; no budget: over one byte below the peak, so the steps at the peak). What a local search lowers
+    while its moves leave a flat peak (several steps at about its height) where it is: a step towards a lower one."""
+    aim = sim.peak_bytes - 1 if budget is None else budget
+    return sum(max(0, live - aim) for live in sim.timeline) + max(0, sim.boundary_bytes - aim)
+
+
 def gap(objective_s: float, bound_s: float) -> float:
     """(objective - bound) / objective, never negative: how far a plan may be from the best."""
     return max(0.0, (objective_s - bound_s) / objective_s) if objective_s > 0 else 0.0

@@ -20,7 +20,7 @@ from ..model.simulator import ScheduleError, SimResult, simulate
 from ..progress import ProgressLine
 from .blocks import Groups, find_blocks
 from .heuristics import greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates
-from .incumbent import Incumbent, fits, gap
+from .incumbent import Incumbent, bytes_over, fits, gap
 from .offload import prefetch_positions
 from .reorder import base_orders, refine_order
 
@@ -89,7 +89,7 @@ def swap_recomputes(problem: Problem, inc: Incumbent, deadline: float) -> None:
     by a few bytes: e.g. recomputing an op whose output an in-place op would otherwise have to keep. The
     simulator judges each neighbour here, exactly. A plan whose peak is flat (many steps at about the same
     height) has no single change that lowers its peak: then the change that leaves the peak as it is and lowers
-    the bytes over the budget summed over the steps the most (`_over`) is taken, a step towards one that does
+    the bytes over the budget summed over the steps the most (`incumbent.bytes_over`) is taken, a step towards one that does
     (nn.TransformerEncoder at 40%: 12.82 MiB on the peak alone, 11.83 with such steps). Additions and removals
     are tried before swaps (a swap only when no addition or removal helps), and the first change that lowers
     the peak is taken as soon as it is seen."""
@@ -101,7 +101,7 @@ def swap_recomputes(problem: Problem, inc: Incumbent, deadline: float) -> None:
     candidates = sorted(set(recompute_candidates(problem)))
     sim = low.sim
     while not inc.found and clock.now() < deadline:
-        peak, over = sim.peak_bytes, _over(sim, inc.budget)
+        peak, over = sim.peak_bytes, bytes_over(sim, inc.budget)
         outside = [c for c in _relieving(problem, sim, candidates, inc.budget, False) if c not in chosen]
         inside = _relieving(problem, sim, sorted(chosen), inc.budget, True)
         single = [chosen | {c} for c in outside] + [chosen - {r} for r in sorted(chosen)]
@@ -117,7 +117,7 @@ def swap_recomputes(problem: Problem, inc: Incumbent, deadline: float) -> None:
                 if cand.sim.peak_bytes < peak:
                     level = ((0, 0.0), nxt, cand.sim)
                     break
-                key = (_over(cand.sim, inc.budget), round(cand.sim.time_s, 12))
+                key = (bytes_over(cand.sim, inc.budget), round(cand.sim.time_s, 12))
                 if key[0] < over and (level is None or key < level[0]):
                     level = (key, nxt, cand.sim)
             if level is not None:
@@ -148,13 +148,6 @@ def _relieving(problem: Problem, sim: SimResult, candidates: list[int], budget: 
         if steps:
             relief[prod] = relief.get(prod, 0) + steps * problem.tensors[t].bytes
     return sorted((c for c in candidates if relief.get(c, 0) > 0), key=lambda c: (-relief[c], c))
-
-
-def _over(sim, budget: int | None) -> int:
-    """The bytes over the budget summed over the plan's steps (the caller's loss between forward and backward
-    counted as one step)."""
-    aim = budget or 0
-    return sum(max(0, live - aim) for live in sim.timeline) + max(0, sim.boundary_bytes - aim)
 
 
 def _one_change_away(chosen: frozenset[int], candidates: list[int]):

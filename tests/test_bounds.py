@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from optsched.solvers import BudgetInfeasibleError, Op, Phase, Problem, Tensor, TensorKind, simulate, solve
 from optsched.solvers.search.heuristics import lower_bound_peak, place_recomputes
-from optsched.solvers.search.reorder import base_orders
+from optsched.solvers.search.heuristics import base_orders
 
 from tests.bruteforce import (
     describe,

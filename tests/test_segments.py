@@ -11,7 +11,7 @@ from optsched.solvers import BudgetInfeasibleError, Problem, Schedule, default_s
 from optsched.solvers.cpsat.segment import free_ops, replan_segment
 from optsched.solvers.search.blocks import find_blocks, segments
 from optsched.solvers.search.heuristics import lower_bound_peak, place_recomputes
-from optsched.solvers.search.reorder import base_orders
+from optsched.solvers.search.heuristics import base_orders
 from optsched.solvers.search.segments import better, improve_by_segments
 from optsched.solvers.search.strategy import PlanningTimeLimitError
 from optsched.solvers.synthetic import chain_training_problem

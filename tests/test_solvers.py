@@ -35,7 +35,7 @@ from optsched.solvers.cpsat.bound import solve_bound_and_repair
 from optsched.solvers.cpsat.order import solve_order
 from optsched.solvers.cpsat.remat import solve_remat
 from optsched.solvers.search.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
-from optsched.solvers.search.reorder import base_orders
+from optsched.solvers.search.heuristics import base_orders
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.bruteforce import least_time_within, replay, topological_fw_orders
 from tests.hypothesis_profiles import examples

@@ -15,7 +15,7 @@ from ..model.simulator import SimResult
 from .fusion_groups import merge_formed
 from .heuristics import lower_bound_peak
 from .incumbent import gap
-from .reorder import base_orders
+from .heuristics import base_orders
 from .starts import GAP_TARGET
 
 CERTIFY_MIN_S = 0.05  # less time than this: the relaxation is not started

@@ -34,6 +34,13 @@ def place_recomputes(problem: Problem, fw_order: list[int], bw_order: list[int],
     return Schedule(fw_order=list(fw_order), bw_order=out)
 
 
+def base_orders(problem: Problem, schedule: Schedule) -> tuple[list[int], list[int]]:
+    """The schedule's forward order and its backward order without recomputations (what `place_recomputes`
+    takes)."""
+    bw = [o for o in schedule.bw_order if problem.ops[o].phase.value == "bw"]
+    return list(schedule.fw_order), bw
+
+
 def greedy_forward_order(problem: Problem) -> list[int]:
     """Topological order of the forward that runs, at each step, the ready op that grows memory least.
 

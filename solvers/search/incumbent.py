@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..model.problem import Problem, Schedule, SolveStats, reject
 from ..model.simulator import ScheduleError, SimResult, simulate
-from .heuristics import place_recomputes
+from .heuristics import base_orders, place_recomputes
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,18 @@ def fits(sim: SimResult, budget: int | None) -> bool:
     return budget is None or sim.peak_bytes <= budget
 
 
+def aim_bytes(sim: SimResult, budget: int | None) -> int:
+    """The bytes a step is over when it holds more: the budget; with none, one byte below the plan's peak (so the
+    steps at the peak)."""
+    return sim.peak_bytes - 1 if budget is None else budget
+
+
 def bytes_over(sim: SimResult, budget: int | None) -> int:
-    """The bytes over `budget` summed over the plan's steps (the caller's loss between forward and backward counted
-    as one step; no budget: over one byte below the peak, so the steps at the peak). What a local search lowers
-    while its moves leave a flat peak (several steps at about its height) where it is: a step towards a lower one."""
-    aim = sim.peak_bytes - 1 if budget is None else budget
-    return sum(max(0, live - aim) for live in sim.timeline) + max(0, sim.boundary_bytes - aim)
+    """The bytes over `aim_bytes` summed over the plan's steps (the caller's loss between forward and backward counted
+    as one step). What a local search lowers while its moves leave a flat peak (several steps at about its height)
+    where it is: a step towards a lower one."""
+    line = aim_bytes(sim, budget)
+    return sum(max(0, live - line) for live in sim.timeline) + max(0, sim.boundary_bytes - line)
 
 
 def gap(objective_s: float, bound_s: float) -> float:
@@ -113,10 +119,7 @@ class Incumbent:
         sched = cand.schedule
         if sched.offload or sched.formed:
             return
-        # its backward without recomputations, as reorder.base_orders gives it (not imported: reorder imports
-        # segments, which imports this module, and tests/test_layout.py refuses the cycle)
-        bw = [o for o in sched.bw_order if self.problem.ops[o].phase.value == "bw"]
-        placed = place_recomputes(self.problem, sched.fw_order, bw, cand.sim.recomputed_ops)
+        placed = place_recomputes(self.problem, *base_orders(self.problem, sched), cand.sim.recomputed_ops)
         if placed.bw_order == sched.bw_order:
             return
         try:  # moved later, a recomputation may read an input an update in the backward has overwritten: not a plan

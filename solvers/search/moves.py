@@ -21,9 +21,10 @@ from .blocks import Groups, find_blocks
 from .certify import certify_plan
 from .chain import MIN_BLOCKS, improve_by_chain
 from .fusion_options import form_options
+from .heuristics import base_orders
 from .incumbent import Incumbent
 from .offload import add_offloads, mix_offload_and_recompute
-from .reorder import base_orders, refine_order
+from .reorder import refine_order
 from .segments import improve_by_segments
 
 TIGHT_BUDGET = 0.5  # below this share of the unplanned peak, the segment search also runs first, from the program

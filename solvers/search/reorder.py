@@ -98,8 +98,3 @@ def _windows(k: int, n_fw: int, n: int, w: int) -> list[tuple[int, int]]:
             out.append((a, b))
     return out
 
-
-def base_orders(problem: Problem, schedule: Schedule) -> tuple[list[int], list[int]]:
-    """The schedule's forward order and its backward order without recomputations."""
-    bw = [o for o in schedule.bw_order if problem.ops[o].phase.value == "bw"]
-    return list(schedule.fw_order), bw

@@ -19,10 +19,12 @@ from ..model.problem import Phase, Problem, Schedule, SolveStats, default_schedu
 from ..model.simulator import ScheduleError, SimResult, simulate
 from ..progress import ProgressLine
 from .blocks import Groups, find_blocks
-from .heuristics import greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates
-from .incumbent import Incumbent, bytes_over, fits, gap
+from .heuristics import (
+    base_orders, greedy_forward_order, greedy_recompute, place_recomputes, prune_recomputes, recompute_candidates,
+)
+from .incumbent import Incumbent, aim_bytes, bytes_over, fits, gap
 from .offload import prefetch_positions
-from .reorder import base_orders, refine_order
+from .reorder import refine_order
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +136,8 @@ def _relieving(problem: Problem, sim: SimResult, candidates: list[int], budget: 
     steps within the budget cannot lower any step over it by being recomputed) or their recomputed copies
     (True: the recomputations whose removal could lower such a step most directly). The whole neighbourhood is
     too large to walk on a few hundred ops (Llama, 365 ops: 250 candidates, 100 recomputed)."""
-    aim = budget or 0
-    over = [live > aim for live in sim.timeline]
+    level = aim_bytes(sim, budget)
+    over = [live > level for live in sim.timeline]
     at = [0]
     for o in over:
         at.append(at[-1] + o)
@@ -148,18 +150,6 @@ def _relieving(problem: Problem, sim: SimResult, candidates: list[int], budget: 
         if steps:
             relief[prod] = relief.get(prod, 0) + steps * problem.tensors[t].bytes
     return sorted((c for c in candidates if relief.get(c, 0) > 0), key=lambda c: (-relief[c], c))
-
-
-def _one_change_away(chosen: frozenset[int], candidates: list[int]):
-    """The recompute sets one addition, one removal or one swap from `chosen`, fewest changes first."""
-    outside = [c for c in candidates if c not in chosen]
-    for c in outside:
-        yield chosen | {c}
-    for r in sorted(chosen):
-        yield chosen - {r}
-    for r in sorted(chosen):
-        for c in outside:
-            yield (chosen - {r}) | {c}
 
 
 def reorder_and_redecide(problem: Problem, inc: Incumbent, deadline: float, workers: int) -> None:

@@ -78,7 +78,7 @@ class PlanningAccounts:
         self._module.PlanningTime = self._cls
 
     def programs(self) -> list[dict]:
-        return [{"limit_s": t.limit, **t.taken} for t in self.made if t.taken is not None and t.limit]
+        return [{"limit_s": t.limit_s, **t.taken} for t in self.made if t.taken is not None and t.limit]
 
 
 def _step(name: str):

@@ -249,3 +249,55 @@ def test_a_time_from_the_cache_costs_the_clock_what_timing_it_would():
             charged.append((costs.reused, clock.units_counted().get("op_timed")))
     assert charged[0][0] == 0 and charged[1][0] == 4
     assert charged[0][1] == charged[1][1] > 0
+
+
+def test_a_named_profile_times_by_its_roofline_but_plans_the_scratch_the_ops_allocate_here(tmp_path):
+    """device_profile="cpu" on a CPU run: op times are the profile's roofline, but the program runs here, and its
+    kernels allocate scratch a roofline cannot know (a layer norm backward's per-thread partial sums): measured all
+    the same. Without it a plan whose peak step was a layer norm backward measured 2 KiB over its prediction. And
+    CPU's mse_loss returns its 0-dim loss on an input-sized buffer, which the loss holds into the backward: planned
+    as 4 bytes, the step measured an input's size (224 KiB here) over its prediction, measured costs or not."""
+    from optsched.costs.measure import labelled_peaks, memory_profile
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the partial sums are per thread: two threads allocate some on any machine
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.GELU(),
+                                    torch.nn.Linear(128, 64))
+        x, target = torch.randn(16, 56, 64), torch.randn(16, 56, 64)
+
+        def step(x, target):
+            return torch.nn.functional.mse_loss(model(x), target)
+
+        eager = measure_training_step(step, model, (x, target))
+        opt = optsched.optimize(step, "90%", device_profile="cpu", time_limit_s=1)
+        opt(x, target).backward()
+        model.zero_grad(set_to_none=True)
+        planned = measure_training_step(opt, model, (x, target))
+        plan = opt.plan
+        assert plan.summary()["timing"] == "roofline"
+        (ln_bw,) = [o for o in plan.problem.ops if o.name.startswith("native_layer_norm_backward")]
+        g, h = torch.randn(16, 56, 128), torch.randn(16, 56, 128)
+        mean, rstd = torch.randn(16, 56, 1), torch.rand(16, 56, 1)
+        w, b = torch.randn(128), torch.randn(128)
+        with torch.no_grad(), memory_profile() as prof:
+            with torch.profiler.record_function("alone"):
+                out = aten.native_layer_norm_backward(g, h, [128], mean, rstd, w, b, [True, True, True])
+            del out
+        peak, end = labelled_peaks(prof, "alone")["alone"]
+        assert peak - end > 0 and ln_bw.workspace_bytes == peak - end
+        (loss,) = [plan.problem.tensors[t] for o in plan.problem.ops if o.name == "mse_loss" for t in o.outputs]
+        assert loss.bytes == torch.nn.functional.mse_loss(x, target).untyped_storage().nbytes()  # 224 KiB, torch 2.13
+        assert abs(planned.peak_bytes - plan.sim.peak_bytes) <= 64  # the loss's scalar tangent, outside the program
+        for k, grad in eager.grads.items():
+            torch.testing.assert_close(planned.grads[k], grad, rtol=0, atol=0)
+        # a plan file records the loss's storage: its replay, which measures nothing, sizes it alike
+        plan.save(tmp_path / "plan.json")
+        again = optsched.optimize(step, "90%", device_profile="cpu", plan=tmp_path / "plan.json")
+        again(x, target).backward()
+        assert any(n.startswith("loaded from") for n in again.plan.stats.notes)
+        assert again.plan.allocated == plan.allocated == {loss.name: loss.bytes}
+        assert again.plan.sim.peak_bytes == plan.sim.peak_bytes
+    finally:
+        torch.set_num_threads(threads)

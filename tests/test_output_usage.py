@@ -288,7 +288,7 @@ def test_a_missing_tangent_never_reaches_a_fused_kernel():
     model(x)[0].backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    opt = optsched.optimize(model, executor="inductor", **PLANNING)
+    opt = optsched.optimize(model, executor="inductor", device_profile="cpu")  # the default limit fits Inductor's set-up
     for _ in range(2):
         opt(x)[0].backward()
         got = {n: p.grad.clone() for n, p in model.named_parameters()}

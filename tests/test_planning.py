@@ -80,8 +80,29 @@ def test_the_solves_keep_half_the_limit_whatever_op_timing_took():
         clock.count("op_timed", 10.0 / calibration.seconds("op_timed", 1))  # 10 s of op timing, a 4 s limit
         first = account.slice(4.0)
         assert account.spent > 4.0 and first == MIN_SEARCH_SHARE * 4.0
-        clock.count("cpsat_dtime", 1.0 / calibration.seconds("cpsat_dtime", 1))  # the first solve took 1 s of it
+        clock.count("cpsat_dtime_segment", 1.0 / calibration.seconds("cpsat_dtime_segment", 1))  # the first solve took 1 s of it
         assert abs(account.left() - (MIN_SEARCH_SHARE * 4.0 - 1.0)) < 1e-9
+
+
+def test_a_compile_goes_ahead_only_where_its_price_fits_the_share_outside_the_search():
+    """Fusion compiles are priced before they start. Under a limit the user set, a process's one-time set-up
+    (Inductor's first compile, about 3 s) counts like the compile itself, and does not fit a 5 s limit's 2.5 s; a
+    default limit grows by the set-up it lets happen, so the first program of a process fuses at the default."""
+    from optsched.planning.timing import MIN_SEARCH_SHARE, PlanningTime
+    from optsched.solvers.model import clock
+
+    outside = (1 - MIN_SEARCH_SHARE) * 5.0
+    with clock.deterministic():
+        asked = PlanningTime()
+        asked.start()
+        assert asked.outside_search_left(5.0, outside - 0.1) and not asked.outside_search_left(5.0, outside + 0.1)
+        assert not asked.outside_search_left(5.0, 0.4 + 2.9)  # compile and set-up priced together: refused
+        default = PlanningTime()
+        default.start()
+        assert default.outside_search_left(5.0, 0.4, setup_s=2.9)  # the compile fits; the limit grows by the set-up
+        default.slice(5.0)
+        assert default.limit == 5.0 and default.limit_s == pytest.approx(7.9)
+        assert default.left() == pytest.approx(7.9)  # nothing spent yet on this clock: the set-up adds to the limit
 
 
 def test_a_charge_before_planning_is_spent_from_the_limit():

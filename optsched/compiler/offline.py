@@ -63,6 +63,7 @@ class _PlanOnlyExecutor:
     """
 
     fuses_writes = False
+    plans_only = True  # compile_group builds nothing: no compile time to charge (executors/groups.compile_cost_s)
 
     def __init__(self, name: str | None, profile: DeviceProfile):
         name = (name or "eager").lower()

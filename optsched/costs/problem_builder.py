@@ -330,6 +330,28 @@ def _roofline(node: fx.Node, profile: DeviceProfile) -> float:
     return max(compute, traffic / profile.mem_bw) + k * KERNELS_PER_CHUNK * profile.launch_s
 
 
+def oversized_storages(problem: Problem, jg: JointGraph) -> dict[str, int]:
+    """Tensor name -> bytes, for `problem`'s storages larger than the values `jg` made them for (`_held_bytes`):
+    what a plan file records so that its replay, which measures nothing, sizes them alike. CPU's only: on CUDA every
+    storage is the allocator's block, larger than its value."""
+    nominal = {s.node.name: s.nbytes for s in jg.storages}
+    return {t.name: t.bytes for t in problem.tensors if t.name in nominal and t.bytes > nominal[t.name]}
+
+
+def _held_bytes(jg: JointGraph, measured: NodeCosts | None) -> dict[int, int]:
+    """Storages larger than their values, as profiling measured them (CPU): the output of an op with one output storage
+    that held more bytes when the op returned (CPU's mse_loss returns its 0-dim loss on an input-sized buffer, held as
+    long as the loss is: planned as 4 bytes, a step measured an input's size over its prediction)."""
+    if measured is None or not measured.held_bytes:
+        return {}
+    out = {}
+    for node, storages in jg.outputs_of.items():
+        got = measured.held_bytes.get(node.name)
+        if len(storages) == 1 and got is not None and got > jg.storages[storages[0]].nbytes:
+            out[storages[0]] = got
+    return out
+
+
 def build_problem(
     jg: JointGraph,
     profile: DeviceProfile,
@@ -368,8 +390,10 @@ def build_problem(
     count = cuda.count if cuda is not None else (lambda n: n)
     known: set = set()
     if cuda is None:
+        allocated = _held_bytes(jg, measured)
         tensors = [
-            Tensor(s.index, s.node.name, 0 if s.index in tangent_bytes else s.nbytes, s.kind, offloadable=s.index in movable)
+            Tensor(s.index, s.node.name, 0 if s.index in tangent_bytes else allocated.get(s.index, s.nbytes), s.kind,
+                   offloadable=s.index in movable)
             for s in jg.storages
         ]
     else:

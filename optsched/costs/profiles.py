@@ -35,6 +35,9 @@ class NodeCosts:
     estimated: list[str] = field(default_factory=list)  # not timed: op timing's time was up (roofline time, no scratch)
     distinct: int = 0  # distinct ops with a measured time (identical ops are timed once)
     reused: int = 0  # of those, the ones an earlier graph of the process timed (costs/op_cache.py): not run again
+    # bytes the op's outputs held when it returned, as allocated: more than their values' size where a kernel returns
+    # a view of a larger buffer (CPU's mse_loss, smooth_l1_loss: a 0-dim loss on an input-sized storage)
+    held_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

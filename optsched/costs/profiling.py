@@ -45,7 +45,7 @@ _OUT = "optsched_out::"
 
 def profile_nodes(
     gm: fx.GraphModule, device: torch.device, reuse_inputs: dict[str, fx.Node | list[fx.Node]], repeat: int = 5,
-    real_inputs: Mapping[str, torch.Tensor] | None = None, time_limit_s: float | None = None,
+    real_inputs: Mapping[str, torch.Tensor] | None = None, time_limit_s: float | None = None, time_ops: bool = True,
 ) -> NodeCosts:
     """Time every op (`_time_op`), each alone on inputs made for it, and in one more pass under the
     allocation profiler measure its scratch space; for each node in `reuse_inputs`, also run its out= form
@@ -57,7 +57,9 @@ def profile_nodes(
     first; an op an earlier graph of the process timed is not timed again (`op_cache`). Once `time_limit_s`
     has passed on the solvers' clock (wall seconds, or in deterministic mode the work counted: "op_timed" per
     op, so the ops cut off are the same on every run), the ops not yet timed keep the roofline's time
-    (`NodeCosts.estimated`); their scratch space is still measured (one run each): a plan must hold it."""
+    (`NodeCosts.estimated`); their scratch space is still measured (one run each): a plan must hold it.
+    `time_ops=False`: the scratch space and out= forms alone, no times (a named profile's roofline times the ops,
+    but the program runs on this device, whose kernels allocate what they allocate)."""
     from .._torch import profiler_enabled, unset_fake_temporarily
 
     groups = _heaviest_first(identical_ops(gm), device)
@@ -67,14 +69,18 @@ def profile_nodes(
     with unset_fake_temporarily(), torch.no_grad():
         inputs = _OpInputs(gm, device, real_inputs or {})
         profiled = profiler_enabled()  # someone's profiling session: its overhead is in every run, not kept
-        timed, left, reused = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured, keep=not profiled)
+        if time_ops:
+            timed, left, reused = _time_ops(groups, inputs, repeat, time_limit_s, times, unmeasured, keep=not profiled)
+        else:
+            timed, left, reused = [], groups, 0
         if len(timed) > reused and not profiled:
             op_cache.save_shared()
         if profiled:
             # planning inside someone's profiling session (a measured first call): a profiler of our own would
             # end theirs. Scratch space stays unknown (0) and no op writes into its inputs, as with a roofline.
             return NodeCosts(times, {}, {}, scratch_measured=False, unmeasured=unmeasured,
-                             estimated=[n.name for ops in left for n in ops], distinct=len(timed), reused=reused)
+                             estimated=[n.name for ops in left for n in ops] if time_ops else [], distinct=len(timed),
+                             reused=reused)
         runs = [same for ops in timed + left for same in _same_out_form(ops, reuse_inputs)]
         clock.count("op_profiled", len(runs))  # every op's scratch, even the untimed ones' (memory_profile counts the pass)
         with memory_profile() as prof:
@@ -85,18 +91,20 @@ def profile_nodes(
                     if same[0].name in times:
                         raise
                     unmeasured.update(dict.fromkeys((n.name for n in same), _why(e)))
-    workspace, reuse_ok = _scratch(prof, {same[0].name: reuse_inputs[same[0].name] for same in runs
-                                          if same[0].name in reuse_inputs})
+    workspace, reuse_ok, held = _scratch(prof, {same[0].name: reuse_inputs[same[0].name] for same in runs
+                                                if same[0].name in reuse_inputs})
     for same in runs:  # each run's measurement for every op like it
         rep = same[0].name
         workspace.update({n.name: workspace[rep] for n in same if rep in workspace})
         reuse_ok.update({n.name: reuse_ok[rep] for n in same if rep in reuse_ok})
+        held.update({n.name: held[rep] for n in same if rep in held})
     for name in unmeasured:
         workspace.pop(name, None)
         reuse_ok.pop(name, None)
-    estimated = [n.name for ops in left for n in ops if n.name not in unmeasured]
+        held.pop(name, None)
+    estimated = [n.name for ops in left for n in ops if n.name not in unmeasured] if time_ops else []
     return NodeCosts(times, workspace, reuse_ok, unmeasured=unmeasured, estimated=estimated, distinct=len(timed),
-                     reused=reused)
+                     reused=reused, held_bytes=held)
 
 
 def _time_ops(groups: list[list[fx.Node]], inputs: _OpInputs, repeat: int, time_limit_s: float | None,
@@ -338,12 +346,17 @@ def _try_out_form(n: fx.Node, args: tuple, kwargs: dict, made: dict, into: fx.No
     del dest
 
 
-def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[dict[str, int], dict[str, bool]]:
+def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]],
+             ) -> tuple[dict[str, int], dict[str, bool], dict[str, int]]:
+    """Per op: its scratch (peak over what its outputs hold at its end), whether its out= form reuses its input, and
+    what its outputs hold at its end."""
     workspace: dict[str, int] = {}
+    held: dict[str, int] = {}
     out_peak: dict[str, int] = {}
     for name, (peak, end) in labelled_peaks(prof, _OP, _OUT).items():
         if name.startswith(_OP):
             workspace[name[len(_OP):]] = max(0, peak - max(end, 0))
+            held[name[len(_OP):]] = max(end, 0)
         else:
             out_peak[name[len(_OUT):]] = peak
     reuse_ok = {}
@@ -354,7 +367,7 @@ def _scratch(prof, reuse_inputs: dict[str, fx.Node | list[fx.Node]]) -> tuple[di
         reuse_ok[node_name] = got is not None and got < full // 2
         if reuse_ok[node_name]:  # its own temporaries count when it runs in that form
             workspace[node_name] = max(workspace.get(node_name, 0), got)
-    return workspace, reuse_ok
+    return workspace, reuse_ok, held
 
 
 def real_placeholders(gm: fx.GraphModule, values: list) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
 from ..costs.measure import device_sync, labelled_peaks, measure_peak, memory_profile
 from ..solvers.model import clock
-from ..solvers.model.calibration import compile_unit
+from ..solvers.model.calibration import compile_unit, seconds
 from ..solvers.model.fusion_sim import internal_tensors
 from ..solvers.model.problem import Problem, convexity_violation, reject
 
@@ -131,6 +131,23 @@ def group_key(g: Group, measure: bool) -> str:
     return fingerprint(g.module)["hash"] + f"measured={measure}"
 
 
+def compile_cost_s(executor: Executor, measure: bool) -> tuple[float, float]:
+    """Seconds on the solvers' clock that compiling one more group adds (what `compile_groups` counts): its compile
+    and timing, and apart from them the process's one-time set-up it would pay (Inductor's first start, once).
+    Planning compiles a group only where this fits in the time left (planning/fusion.py)."""
+    if not _compiles(executor):
+        return (seconds("op_timed", 1) if measure else 0.0), 0.0
+    setup = 0.0
+    if executor.name == "inductor" and not clock.counted_once("inductor_first_start"):
+        setup = seconds("inductor_first_start", 1)
+    return seconds(compile_unit(executor.name), 1) + (seconds("op_timed", 1) if measure else 0.0), setup
+
+
+def _compiles(executor: Executor) -> bool:
+    """Whether the executor's compile_group compiles anything (plan_offline's stand-ins only plan groups)."""
+    return not getattr(executor, "plans_only", False)
+
+
 def compile_groups(
     groups: list[Group], executor: Executor, device: torch.device, measure: bool,
     cache: dict[str, CompiledGroup] | None = None,
@@ -145,9 +162,10 @@ def compile_groups(
             if key not in cache and key not in examples:
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))
-                clock.count(compile_unit(executor.name))  # on the solvers' clock: planning time (deterministic mode)
-                if executor.name == "inductor":  # its first compile sets Inductor up
-                    clock.count_once("inductor_first_start")
+                if _compiles(executor):  # on the solvers' clock: planning time (deterministic mode)
+                    clock.count(compile_unit(executor.name))
+                    if executor.name == "inductor":  # its first compile sets Inductor up
+                        clock.count_once("inductor_first_start")
                 if measure:
                     done.time_s = _time_kernel(done.kernel, example)
                     clock.count("op_timed")

@@ -23,7 +23,7 @@ from ..solvers.search.fusion_groups import find_groups
 from ..solvers.search.heuristics import lower_bound_peak
 from .errors import chunked_infeasible, why_not_chunked
 from .fusion import Fusion
-from .op_costs import CostsOf
+from .op_costs import CostsOf, MeasuredCosts
 
 Build = Callable[[JointGraph, str, "NodeCosts | None"], Built]  # a graph's problem: (joint graph, name, op costs)
 
@@ -53,9 +53,11 @@ class Floors:
         superset of the plans of any measured problem, so its bound is below theirs; where no op is measured, the
         problem itself), with the executor's vertical fusion groups offered as fusion options (their inner values
         count 0 for any subset formed, as merged groups' do; horizontal candidates, ops of one depth, hide no
-        value). Tens of milliseconds on the 4-layer GPT; the bound is not computed (0) for a `budget` the
-        unplanned peak meets."""
-        costs = self.costs_of(jg.gm, jg) if not self.measure else NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True))
+        value). Where the program runs on this device, scratch and in-place writes are measured even under a
+        profile's roofline, so the favourable problem is the floor then too. Tens of milliseconds on the 4-layer
+        GPT; the bound is not computed (0) for a `budget` the unplanned peak meets."""
+        measured_here = self.measure or isinstance(self.costs_of, MeasuredCosts)  # a roofline's scratch is measured too
+        costs = NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True)) if measured_here else self.costs_of(jg.gm, jg)
         built = self.build(jg, "floor", costs)
         p = built.problem
         groups = find_groups(p, self.fusion.fusible(jg, built.nodes))

@@ -15,7 +15,8 @@ import torch.fx as fx
 
 from ..capture.joint_graph import JointGraph
 from ..costs.problem_builder import Built
-from ..executors.groups import Group, build_group, compile_groups, group_key, horizontal_candidates, roofline_time
+from ..executors.groups import (Group, build_group, compile_cost_s, compile_groups, group_key, horizontal_candidates,
+                                roofline_time)
 from ..plans.plan import Plan
 from ..solvers import Problem, Schedule, default_schedule, simulate
 from ..solvers.model.problem import FusionOption, convexity_violation
@@ -33,13 +34,15 @@ class Fusion:
     def __init__(self, target: Target, named: bool):
         self.target = target
         self.named = named
-        # whether planning may compile another kernel (planning/timing.py: compiles stop once the work outside the
-        # search took its share of the time limit); a group not compiled stays unfused, a candidate unoffered
-        self.may_compile: Callable[[], bool] = lambda: True
+        # whether the planning time allows a compile of these seconds and this one-time set-up (timing.PlanningTime.
+        # may_compile); a group not compiled stays unfused, a candidate unoffered
+        self.may_compile: Callable[[float, float], bool] = lambda cost_s, setup_s: True
 
     def affordable(self, group: Group, compiled: dict) -> bool:
-        """Compiled already (this graph's same group), or the planning time left allows compiling it."""
-        return group_key(group, self.target.measure) in compiled or self.may_compile()
+        """Compiled already (this graph's same group), free (plan_offline's groups are planned, not built), or the
+        planning time left allows compiling it."""
+        cost_s, setup_s = compile_cost_s(self.target.executor, self.target.measure)
+        return group_key(group, self.target.measure) in compiled or cost_s + setup_s == 0 or self.may_compile(cost_s, setup_s)
 
     def fusible(self, jg: JointGraph, nodes: list[fx.Node]) -> list[bool]:
         """Per op, whether the executor may put it in a group."""

@@ -21,8 +21,11 @@ CostsOf = Callable[[fx.GraphModule, JointGraph], "NodeCosts | None"]  # a graph'
 
 
 class MeasuredCosts:
-    """Op costs measured on `device` (None where the target does not measure: the profile's roofline), within
-    OP_TIMING_SHARE of the planning time limit (`time_limit_s`: the option; None, the graph's default)."""
+    """Op costs measured on `device`, times within OP_TIMING_SHARE of the planning time limit (`time_limit_s`: the
+    option; None, the graph's default). Where the target does not measure times (a named profile: its roofline) but
+    the program runs here, the ops' scratch space and out= forms are measured all the same (a layer norm backward's
+    per-thread partial sums, an attention backward's buffers: memory a roofline cannot know, and once the plan's peak
+    step, the measured peak ran over the prediction); on "meta" (plan_offline's fake tensors) nothing is (None)."""
 
     def __init__(self, device: torch.device, measure: bool, time_limit_s: float | None, cache: CostCache | None):
         self.device = device
@@ -36,7 +39,7 @@ class MeasuredCosts:
         self.inputs = [weakref.ref(v) if isinstance(v, torch.Tensor) else (lambda v=v: v) for v in values]
 
     def __call__(self, gm: fx.GraphModule, jg: JointGraph) -> NodeCosts | None:
-        if not self.measure:
+        if not self.measure and self.device.type not in ("cpu", "cuda"):
             return None
         key = CostCache.key(gm, self.device) if self.cache is not None else None
         if key is not None and (known := self.cache.get(key)) is not None:
@@ -44,7 +47,8 @@ class MeasuredCosts:
         real = real_placeholders(gm, [ref() for ref in self.inputs])
         ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         limit = OP_TIMING_SHARE * time_limit(self.time_limit_s, ops)
-        costs = profile_nodes(gm, self.device, reuse_candidates(jg), real_inputs=real, time_limit_s=limit)
+        costs = profile_nodes(gm, self.device, reuse_candidates(jg), real_inputs=real, time_limit_s=limit,
+                              time_ops=self.measure)
         if key is not None and costs.scratch_measured:  # measured under another profiler: measure again next time
             self.cache.put(key, costs)
         return costs
@@ -57,14 +61,16 @@ def chunked_costs(costs_of: CostsOf, g: fx.GraphModule, jg: JointGraph, captured
         return None
     if not isinstance(costs_of, MeasuredCosts):
         return costs_of(g, jg)
-    new = [n for n in g.graph.nodes if n.op == "call_function" and n.name not in captured.times]
+    known = captured.times.keys() | captured.workspace.keys() | captured.unmeasured.keys()
+    new = [n for n in g.graph.nodes if n.op == "call_function" and n.name not in known]
     sub = subgraph(g, new)
     reuse = {k: v for k, v in reuse_candidates(jg).items() if k in {n.name for n in new}}
     by_name = {n.name: n for n in sub.graph.nodes}
     reuse = {k: by_name[v.name] for k, v in reuse.items() if not isinstance(v, list) and v.name in by_name}
-    measured = profile_nodes(sub, costs_of.device, reuse, repeat=2)
+    measured = profile_nodes(sub, costs_of.device, reuse, repeat=2, time_ops=costs_of.measure)
     return NodeCosts({**captured.times, **measured.times}, {**captured.workspace, **measured.workspace},
-                     {**captured.reuse_ok, **measured.reuse_ok}, captured.scratch_measured and measured.scratch_measured)
+                     {**captured.reuse_ok, **measured.reuse_ok}, captured.scratch_measured and measured.scratch_measured,
+                     held_bytes={**captured.held_bytes, **measured.held_bytes})
 
 
 def subgraph(gm: fx.GraphModule, nodes: list[fx.Node]) -> fx.GraphModule:

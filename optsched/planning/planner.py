@@ -26,6 +26,7 @@ from ..capture.joint_graph import JointGraph
 from ..capture.output_usage import OutputUsage
 from ..costs.cost_cache import CostCache
 from ..costs.measure import unread_state
+from ..costs.problem_builder import oversized_storages
 from ..executors import get_executor
 from ..optim.updates import describe
 from ..plans.cache import save_or_warn
@@ -52,15 +53,12 @@ class Planner:
     `resolution`: the budget as the optimized callable means it, shared by all its planners (see BudgetResolution).
     `carried`: plans a copy of an optimized module carries from its original, by fingerprint hash, replayed instead of
     solved. `observed_usage`: what a backward showed the caller doing with the outputs (None: only the guess, which a plan
-    file's record may replace). `costs`: op times for a graph (default: measured on the device when the target measures,
-    else None, the profile's roofline). `grads_at_start`: an accumulation step (api.grads_at_start), whose
+    file's record may replace). `costs`: op costs for a graph (default: measured on the device; times by the profile's
+    roofline where the target does not measure them). `grads_at_start`: an accumulation step (api.grads_at_start), whose
     `first_micro_batch` is the plan of the same step without gradients to start with."""
 
     def __init__(
-        self,
-        settings: PlanningSettings,
-        target: Target,
-        on_plan: Callable[[Plan], None],
+        self, settings: PlanningSettings, target: Target, on_plan: Callable[[Plan], None],
         *,
         resolution: BudgetResolution | None = None,
         carried: dict[str, list[PlanFile]] | None = None,
@@ -127,6 +125,7 @@ class Planner:
         if solver.held_outputs and usage is not None:  # planned for a caller that keeps those outputs too
             usage = OutputUsage(usage.grad, tuple(h or i in solver.held_outputs for i, h in enumerate(usage.held)))
         plan.fingerprint, plan.offload_allowed, plan.optimizer = fp, self.target.offload, wanted["optimizer"]
+        plan.allocated = oversized_storages(plan.problem, planned.graph) if self.target.device.type == "cpu" else {}
         plan.output_usage = usage.describe() if usage is not None else None
         self._record_budget(plan, fp, planned.items, lending.record, lending.note)
         if found.path is not None:  # a save the file system refuses warns: the plan is made, the step runs

@@ -49,7 +49,8 @@ class PlanningTime:
     before it (`Charged`: counted in `spent`, so in the limit, not in the planning's own figures)."""
 
     def __init__(self) -> None:
-        self.limit: float | None = None
+        self.limit: float | None = None  # as asked or by default (time_limit)
+        self.setup_s = 0.0  # a default limit grows by the process's one-time set-ups it paid for (outside_search_left)
         self.share = 1.0
         self._start: float | None = None
         self._search_start: float | None = None  # the first solve's start
@@ -79,15 +80,34 @@ class PlanningTime:
             self._search_start = clock.now()
         return self.left() * self.share
 
-    def left(self) -> float:
-        limit = self.limit or 0.0
-        searched = 0.0 if self._search_start is None else clock.now() - self._search_start
-        return max(0.0, limit - self.spent, MIN_SEARCH_SHARE * limit - searched)
+    @property
+    def limit_s(self) -> float:
+        """This program's limit: `limit` and the set-ups a default limit was given."""
+        return (self.limit or 0.0) + self.setup_s
 
-    def outside_search_left(self, limit: float) -> bool:
-        """Whether work outside the search (fusion groups compiled) may go on: it keeps to the share of the limit
-        the search does not (1 - MIN_SEARCH_SHARE). `limit`: this program's, before the first solve sets it."""
-        return self.spent < (1 - MIN_SEARCH_SHARE) * (self.limit or limit)
+    def left(self) -> float:
+        searched = 0.0 if self._search_start is None else clock.now() - self._search_start
+        return max(0.0, self.limit_s - self.spent, MIN_SEARCH_SHARE * (self.limit or 0.0) - searched)
+
+    def outside_search_left(self, limit: float, upcoming_s: float = 0.0, setup_s: float = 0.0) -> bool:
+        """Whether work outside the search (a fusion group compiled) that costs `upcoming_s` on the clock fits in the
+        share of the limit the search does not keep (1 - MIN_SEARCH_SHARE): priced before it starts, since once
+        started it is spent. `setup_s`: a set-up the process does once beside it (Inductor's first compile, about
+        3 s: more than half a 5 s limit), which a default limit grows by when the work goes ahead (else the first
+        program of every process would stay unfused at the default limit); under a limit the user set it belongs in
+        `upcoming_s`. `limit`: this program's, before the first solve sets it."""
+        if self.spent + upcoming_s > (1 - MIN_SEARCH_SHARE) * (self.limit or limit) + self.setup_s:
+            return False
+        self.setup_s += setup_s
+        return True
+
+    def may_compile(self, asked: float | None, ops: int, cost_s: float, setup_s: float) -> bool:
+        """Whether a fusion group's compile (`cost_s`, and `setup_s` of the process's one-time set-up) goes ahead in
+        a program of `ops` ops: a default limit (`asked` None) grows by the set-up, one the user set counts it with
+        the compile (outside_search_left)."""
+        default = asked is None
+        return self.outside_search_left(time_limit(asked, ops), cost_s + (0.0 if default else setup_s),
+                                        setup_s if default else 0.0)
 
     def finish(self) -> None:
         units = clock.units_counted()

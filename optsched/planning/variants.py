@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch.fx as fx
 
@@ -24,7 +25,6 @@ from .floors import Floors
 from .fusion import Fusion
 from .op_costs import CostsOf, chunked_costs, cost_notes
 from .program import ProgramKind, Planned
-from .timing import time_limit
 from .solving import ProgramSolver, droppable_outputs
 
 AUTO_FIRST_SHARE = 0.5  # chunking="auto": the share of the time limit the graph as captured gets (the counts the rest)
@@ -69,7 +69,7 @@ class Variants:
         reach = (lambda own: min(self.floors.chunk_floors(CHUNK_COUNTS[1:], own).values())) if chains and when_needed else None
         costs = self.costs = self.costs_of(self.gm, self.jg)
         built = self.captured = self.build(self.jg, self.kind.value, costs)
-        self.fusion.may_compile = lambda: self.time.outside_search_left(time_limit(self.settings.time_limit_s, len(built.problem.ops)))
+        self.fusion.may_compile = partial(self.time.may_compile, self.settings.time_limit_s, len(built.problem.ops))
         if chains and not when_needed:
             planned = self.plan_chunked(built, costs, chains)
         else:
@@ -121,7 +121,7 @@ class Variants:
         tried, failures, best, untried = self.try_counts(built, costs, counts, budget_bytes, captured)
         names = [c.name for c in chains]
         if best is None:
-            e = chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self.time.limit, untried)
+            e = chunked_infeasible(budget_bytes, failures, names, self.settings.chunking, self.time.limit_s, untried)
             raise e.explained(self.solver.lending.explain(e, own, reference), start_from_note(e))
         record_chunks(best, names, tried, untried, baseline, captured, budget_bytes)
         return Planned(best.plan, best.items, best.graph)
@@ -141,7 +141,7 @@ class Variants:
             failures.append((1, captured))
         best, untried = None, []
         for i, k in enumerate(counts):
-            if i > 0 and self.time.left() < COUNT_MIN_SHARE * self.time.limit:
+            if i > 0 and self.time.left() < COUNT_MIN_SHARE * self.time.limit_s:
                 untried = list(counts[i:])  # the time limit is spent: a count's search would overrun it
                 break
             self.time.share = 1.0 / min(2, len(counts) - i)  # half of what is left; the last count all of it

@@ -94,6 +94,7 @@ class Plan:
     grads_at_start: bool = False  # an accumulation step: the gradients it adds into are live from its start
     updates_in_backward: list[str] = field(default_factory=list)  # parameters updated inside the backward
     optimizer: str | None = None  # the optimizer whose state and update the plan counts (optim.describe), if any
+    allocated: dict[str, int] = field(default_factory=dict)  # storages measured larger than their values: name -> bytes
 
     @property
     def kind(self) -> str:
@@ -227,6 +228,7 @@ def _file_data(plan: Plan) -> dict:
         },
         "costs": {o.name: [o.time_s, o.workspace_bytes, [[p.tensors[a].name, p.tensors[b].name] for a, b in o.reuse]]
                   for o in p.ops},
+        "allocated": dict(plan.allocated),
         "summary": plan.summary(),
         "solver": plan.stats.to_dict(),
         "timeline": plan.timeline_data(),

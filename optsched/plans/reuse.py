@@ -51,6 +51,8 @@ def plan_from_file(
     if decisions["ops"] != [o.name for o in problem.ops]:
         raise PlanFileError(f"{where}: its ops are not this graph's ops (same fingerprint, other fusion or version?)")
     problem = _with_costs(problem, d["costs"], where)
+    allocated = d.get("allocated") or {}  # (checked by plans/schema.py) files before it was recorded: none
+    problem = _with_allocated(problem, allocated)
     try:
         schedule = file_schedule(pf, problem)
         sim = simulate(problem, schedule)
@@ -67,9 +69,17 @@ def plan_from_file(
         lower_bound_bytes=d["summary"]["lower_bound_bytes"], profile=profile, timing=made_for["timing"],
         graph_nodes=len(gm.graph.nodes), executor=made_for["executor"], fusion_groups=decisions["fusion_groups"],
         fingerprint=pf.fingerprint, offload_allowed=made_for["offload"], output_usage=made_for.get("outputs"),
-        grads_at_start=bool(made_for.get("grads_at_start", False)),
+        grads_at_start=bool(made_for.get("grads_at_start", False)), allocated=allocated,
     )
     return plan, items
+
+
+def _with_allocated(problem: Problem, allocated: dict[str, int]) -> Problem:
+    """The storages the plan measured larger than their values, at the size measured."""
+    if not allocated:
+        return problem
+    tensors = [dataclasses.replace(t, bytes=allocated[t.name]) if t.name in allocated else t for t in problem.tensors]
+    return dataclasses.replace(problem, tensors=tensors)
 
 
 def file_schedule(pf: PlanFile, problem: Problem) -> Schedule:

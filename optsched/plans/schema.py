@@ -209,6 +209,7 @@ class PlanData:
     timeline: Timeline
     checksum: str
     created: str | None = None
+    allocated: dict[str, int] | None = None  # written since storages were measured larger than their values
 
     @classmethod
     def parse(cls, data: Any) -> PlanData:

@@ -227,7 +227,7 @@ def solve_bound_and_repair(
         if left <= 0.05:
             break
         m, r = model.build(budget_bytes, margin, chosen if chosen else hint, ties)
-        solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers, linearization_level=linearization_level)
+        solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers, "bound", linearization_level=linearization_level)
         solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS) if on_solution else None
         status = run_solver(solver, m, cb)

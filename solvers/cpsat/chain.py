@@ -98,7 +98,7 @@ def choose_options(
     m.Minimize(sum(round(o.time_s / NS) * x for i, opts in enumerate(options) for o, x in zip(opts, pick[i])))
     for row in pick:
         m.AddHint(row[0], 1)
-    solver = make_solver(time_limit_s, workers)
+    solver = make_solver(time_limit_s, workers, "chain")
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

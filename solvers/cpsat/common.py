@@ -32,17 +32,31 @@ def cost_ns(time_s: float) -> int:
     return max(1, round(time_s / NS))
 
 
-def make_solver(time_limit_s: float, workers: int, linearization_level: int | None = None) -> cp_model.CpSolver:
+KINDS = ("segment", "remat", "window", "bound", "order", "chain")  # the models: each its own clock unit
+
+
+def work_unit(kind: str) -> str:
+    """The clock's unit for a unit of CP-SAT's deterministic time in a `kind` model: the wall seconds behind one unit
+    differ by model (cumulative and LP-heavy models take several times a window's), so each is priced apart."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown CP-SAT model kind {kind!r}; one of {KINDS}")
+    return f"cpsat_dtime_{kind}"
+
+
+def make_solver(time_limit_s: float, workers: int, kind: str, linearization_level: int | None = None) -> cp_model.CpSolver:
     """In deterministic mode (solvers/model/clock.py) the same answer on every run and machine: the limit
-    is CP-SAT's deterministic time, DETERMINISTIC_WORKERS workers (interleaved in fixed batches
-    rather than raced when more than one), the seed fixed; a wall-clock cap of DETERMINISTIC_WALL_FACTOR times the
-    limit stays as a safety net."""
+    is CP-SAT's deterministic time (the seconds over what one unit of it costs in a `kind` model),
+    DETERMINISTIC_WORKERS workers (interleaved in fixed batches rather than raced when more than one), the seed fixed;
+    a wall-clock cap of DETERMINISTIC_WALL_FACTOR times the limit stays as a safety net. `run_solver` charges the
+    solve to the same unit."""
+    unit = work_unit(kind)
     solver = cp_model.CpSolver()
+    solver.optsched_work_unit = unit  # type: ignore[attr-defined]  # read by _charge
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = 0
     if clock.is_deterministic():
         solver.parameters.num_workers = clock.DETERMINISTIC_WORKERS
-        solver.parameters.max_deterministic_time = max(0.05, time_limit_s) / calibration.UNITS["cpsat_dtime"].seconds
+        solver.parameters.max_deterministic_time = max(0.05, time_limit_s) / calibration.seconds(unit, 1)
         solver.parameters.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * max(0.05, time_limit_s)
         solver.parameters.interleave_search = clock.DETERMINISTIC_WORKERS > 1
     else:
@@ -107,7 +121,7 @@ def _charge(solver: cp_model.CpSolver, model: cp_model.CpModel) -> None:
     """The work of one solve on the solvers' clock (deterministic mode): its deterministic time in the clock's
     seconds, and the loading its deterministic time leaves out (solvers/model/clock.py)."""
     if clock.is_deterministic():
-        clock.count("cpsat_dtime", solver.deterministic_time)
+        clock.count(getattr(solver, "optsched_work_unit", work_unit("segment")), solver.deterministic_time)
         clock.count("cpsat_constraint", len(model.Proto().constraints))
 
 

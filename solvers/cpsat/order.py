@@ -65,7 +65,7 @@ def solve_order(
     if hint:
         for k, o in enumerate(hint):
             m.AddHint(pos[o], k)
-    solver = make_solver(time_limit_s, workers)
+    solver = make_solver(time_limit_s, workers, "order")
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

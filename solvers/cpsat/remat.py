@@ -157,7 +157,7 @@ class _RematModel:
 def _solver(time_limit_s: float, workers: int) -> cp_model.CpSolver:
     # level 2 adds the cumulative and enforced linear constraints to the LP: a better
     # bound on the recompute time for the same search (measured on the GPT step)
-    return make_solver(time_limit_s, workers, linearization_level=2)
+    return make_solver(time_limit_s, workers, "remat", linearization_level=2)
 
 
 def solve_remat(

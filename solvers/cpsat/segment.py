@@ -477,7 +477,7 @@ def replan_segment(
             m.Add(model.outside_expr(tensors, back) <= budget_bytes // unit - model.units(base))
         m.Minimize(model.time_ns())
         model.hint()
-        solver = make_solver(time_limit_s, workers)
+        solver = make_solver(time_limit_s, workers, "segment")
         status = run_solver(solver, m)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
@@ -490,7 +490,7 @@ def replan_segment(
         m.Add(peak >= model.outside_expr(tensors, back) + model.units(base))
     m.Minimize(peak)
     model.hint()
-    solver = make_solver(0.6 * time_limit_s, workers)
+    solver = make_solver(0.6 * time_limit_s, workers, "segment")
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
@@ -506,7 +506,7 @@ def replan_segment(
         m.AddHint(f, first.fusion[j])
     m.Add(peak <= best_peak)
     m.Minimize(model.time_ns())
-    solver = make_solver(0.4 * time_limit_s, workers)
+    solver = make_solver(0.4 * time_limit_s, workers, "segment")
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return first

@@ -90,7 +90,7 @@ def reorder_window(
     m.Minimize(peak)
     for i in range(n):
         m.AddHint(pos[i], i)
-    solver = make_solver(time_limit_s, workers)
+    solver = make_solver(time_limit_s, workers, "window")
     status = run_solver(solver, m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None

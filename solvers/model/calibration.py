@@ -20,45 +20,55 @@ class Unit:
 
 
 UNITS: dict[str, Unit] = {
-    "cpsat_dtime": Unit(1.69, "a unit of CP-SAT's deterministic time (its own count of operations)"),
-    "cpsat_constraint": Unit(5.83e-05, "a constraint of a CP-SAT model solved: loading and presolve, left out of dtime"),
-    "simulated_step": Unit(8.21e-06, "a step (an op run or a tensor's copy) the simulator replays"),
+    # a unit of CP-SAT's deterministic time (its own count of operations) in each kind of model (solvers/cpsat/common.py)
+    "cpsat_dtime_segment": Unit(4.79, "a unit of CP-SAT's deterministic time in a segment model (cumulative memory)"),
+    "cpsat_dtime_remat": Unit(7.25, "a unit of CP-SAT's deterministic time in a recompute-set model (cumulative, LP)"),
+    "cpsat_dtime_window": Unit(1.25, "a unit of CP-SAT's deterministic time in a reorder window model"),
+    "cpsat_dtime_bound": Unit(3.74, "a unit of CP-SAT's deterministic time in the time-bound model"),
+    "cpsat_dtime_order": Unit(1.0, "a unit of CP-SAT's deterministic time in a whole-order model (timed alone)"),
+    "cpsat_dtime_chain": Unit(1.25, "a unit of CP-SAT's deterministic time in the chain's option model (a window's)"),
+    "cpsat_constraint": Unit(7.68e-05, "a constraint of a CP-SAT model solved: loading and presolve, left out of dtime"),
+    "simulated_step": Unit(8.88e-06, "a step (an op run or a tensor's copy) the simulator replays"),
     "bound_op": Unit(0.0, "an op of a problem the peak bound covers"),
-    "bound_scan": Unit(1.87e-08, "a tensor the bound's per-op passes look at"),
+    "bound_scan": Unit(1.81e-08, "a tensor the bound's per-op passes look at"),
     "bound_edge": Unit(0.0, "an edge of the bound's min-cut networks"),
-    "bound_flow": Unit(5.71e-08, "an edge a max flow of the bound scanned or advanced past (per phase)"),
-    "problem_op": Unit(0.000472, "an op of a problem built from a graph (costs, tensors, fusion groups)"),
-    "op_timed": Unit(0.00548, "an op (or a fusion group's kernel) timed on the device (inputs made, warm-up, repeats)"),
-    "op_profiled": Unit(0.000491, "an op run under the allocation profiler (its scratch space, its out= form)"),
-    "profiler_pass": Unit(0.0914, "the allocation profiler started and its events read (a graph's ops, a fusion kernel's peak)"),
-    "profiler_first_start": Unit(0.702, "the process's first start of the profiler (its libraries set up)"),
-    "graph_node_captured": Unit(8.2e-4, "a node of the joint graph plan_offline's capture traced (fake tensors; the "
+    "bound_flow": Unit(7.62e-08, "an edge a max flow of the bound scanned or advanced past (per phase)"),
+    "problem_op": Unit(0.000744, "an op of a problem built from a graph (costs, tensors, fusion groups)"),
+    "op_timed": Unit(0.00484, "an op (or a fusion group's kernel) timed on the device (inputs made, warm-up, repeats)"),
+    "op_profiled": Unit(0.000486, "an op run under the allocation profiler (its scratch space, its out= form)"),
+    "profiler_pass": Unit(0.0872, "the allocation profiler started and its events read (a graph's ops, a fusion kernel's peak)"),
+    "profiler_first_start": Unit(0.831, "the process's first start of the profiler (its libraries set up)"),
+    "graph_node_captured": Unit(1.46e-3, "a node of the joint graph plan_offline's capture traced (fake tensors; the "
                                         "forward run twice, then forward and backward traced), charged to its limit"),
     "group_compiled_eager": Unit(0.002, "a fusion group made into a kernel by the eager executor"),
-    "group_compiled_inductor": Unit(0.433, "a fusion group compiled by Inductor"),
-    "inductor_first_start": Unit(2.27, "the process's first Inductor compile (its set-up), beside its group's unit"),
+    "group_compiled_inductor": Unit(0.429, "a fusion group compiled by Inductor"),
+    "inductor_first_start": Unit(2.85, "the process's first Inductor compile (its set-up), beside its group's unit"),
     "group_compiled_nvfuser": Unit(0.5, "a fusion group compiled by nvFuser"),
     "group_compiled": Unit(0.5, "a fusion group compiled by another executor"),
 }
 
 # Where the numbers above come from: `python -m benchmarks.planning_time` at T = 5 s (7 models, 60% and 40%, 4T reruns
-# of infeasible ones, and the 80-layer Llama-7B offline: 19 programs), least squares (benchmarks/calibration_fit.py)
-# with a pull of 0.05 towards priors timed alone on this machine, idle: the bound by timing lower_bound_peak on four
-# problems (133, 365 and 9075 ops: 0.07, 0.41, 0.82 s: 2.0e-8 s per tensor scanned, 1.6e-7 s per max-flow edge step,
-# per op and per edge built nothing measurable: those stay 0), the profiler by timing measure_peak (its first start
-# 0.84 s, then 0.145 s a pass) and profile_nodes (95 ops profiled in 0.108 s), Inductor's first compile (2.9 s
-# against 0.07-0.3 s after it). Without priors the fit is not identifiable where units are always counted together
-# (each fusion group compiled is profiled once: the compile's and the pass's costs trade off freely) and sets
-# some to 0, their cost folded into others: problem building was once charged the bound's cost (0.000887 s an op),
-# and a 9075-op plan's clock ran 1.7x its wall time. The executors' units no run compiled (eager, nvfuser, other)
-# keep their hand-set values.
-# graph_node_captured: plan_offline's capture of Llama-7B's layer x 8, 16, 32, 80 under fake tensors is linear in the
-# joint graph's nodes (1730 to 16706 nodes in 1.32 to 12.2 s timed alone, 0.73-0.76 ms a node, no intercept); the
-# planning-time benchmark's captures, in a process that planned 15 programs before, and the scaling runs later the
-# same day took 0.80-0.84 ms a node: 0.82 (the refit at 530ceba), not refitted with the rest.
-FITTED_AT = {"commit": "c806fee + the units above (bound_flow, inductor_first_start, profiler passes counted)",
-             "runs": 19, "how": "least squares with priors timed alone (pull 0.05), planning-time benchmark, idle "
-                                "2-core machine, 2026-11-28"}
+# of infeasible ones, and the 80-layer Llama-7B offline: 20 programs) on an idle 2-core AMD EPYC (the CI machine
+# since 2026-11-28; benchmarks/meta.py's CPU probe 0.19-0.21 s), least squares (benchmarks/calibration_fit.py) with a
+# pull of 0.05 towards priors. CP-SAT's deterministic time is priced per kind of model: one unit of it took 1.1-1.4 s
+# of wall time in a reorder window, 2.8-5.4 s in a segment model, 3-4.7 s in the time-bound model and 8-23 s in a
+# recompute-set model (solves of saved GPT, ViT, Llama and nn.TransformerEncoder problems timed one by one), so one
+# price for all (1.69 s, fitted on another machine where segment solves dominated less) let a recompute-set solve run
+# 12x its limit. Those timings are the kinds' priors. No benchmark run solved a whole-order model (forward-only
+# programs): timed alone on a seed function's (0.84-1.07 s a unit); the chain's option model's solves took
+# milliseconds: a window's price. The other units' priors are the previous table's, timed alone on
+# the previous (faster) idle 2-core machine: the bound by timing lower_bound_peak on four problems (133, 365 and 9075 ops: per op and
+# per edge built nothing measurable: those stay 0), the profiler by timing measure_peak and profile_nodes, Inductor's
+# first compile (2.9 s against 0.07-0.3 s after it). Without priors the fit is not identifiable where units are always
+# counted together (each fusion group compiled is profiled once: the compile's and the pass's costs trade off freely)
+# and sets some to 0, their cost folded into others: problem building was once charged the bound's cost, and a
+# 9075-op plan's clock ran 1.7x its wall time. The executors' units no run compiled (eager, nvfuser, other) keep their
+# hand-set values.
+# graph_node_captured: plan_offline's capture of Llama-7B's layer x 80 under fake tensors took 25.1-25.5 s for 16706
+# nodes here (1.5 ms a node; the previous machine took 0.73-0.84), fitted on the benchmark's two captures.
+FITTED_AT = {"commit": "3ff81d7 + CP-SAT's time priced per kind of model",
+             "runs": 20, "how": "least squares with priors (pull 0.05), planning-time benchmark, idle 2-core AMD EPYC, "
+                                "2026-11-28"}
 
 
 def compile_unit(executor: str) -> str:

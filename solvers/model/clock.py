@@ -66,6 +66,11 @@ def count_once(unit: str) -> None:
         count(unit)
 
 
+def counted_once(unit: str) -> bool:
+    """Whether `count_once(unit)` has been counted in this process (a cost yet to come when not)."""
+    return unit in _counted_once
+
+
 def units_counted() -> dict[str, float]:
     """The units counted so far in this deterministic block (empty outside one): what the calibration fits."""
     work = _work.get()

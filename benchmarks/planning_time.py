@@ -22,7 +22,7 @@ again at 4T: does the lowest peak found change? Deterministic mode counts work, 
 table (solvers/model/calibration.py) on them by least squares (benchmarks/calibration_fit.py) beside the
 residuals of the table in use. The wall seconds are the reference machine's only when it is idle: run it idle.
 
-    python -m benchmarks.planning_time                       # T = 5 s, about 10 min
+    python -m benchmarks.planning_time                       # T = 5 s, about 5 min
     python -m benchmarks.planning_time --limit 10 --cases gpt,vit
     python -m benchmarks.planning_time --refit                # the fit again, on the JSON's runs
 """

@@ -35,7 +35,7 @@ from benchmarks.adam_step import step_fn
 from optsched.measure import live_bytes, measure_peak
 
 TIME_LIMIT_S = 1.0
-INDUCTOR_TIME_LIMIT_S = 10.0  # six Inductor compiles within half of it
+INDUCTOR_TIME_LIMIT_S = 12.0  # six Inductor compiles and its first start (priced in an explicit limit) within half of it
 COPY_ = torch.ops.aten.copy_.default
 
 

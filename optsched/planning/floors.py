@@ -23,7 +23,7 @@ from ..solvers.search.fusion_groups import find_groups
 from ..solvers.search.heuristics import lower_bound_peak
 from .errors import chunked_infeasible, why_not_chunked
 from .fusion import Fusion
-from .op_costs import CostsOf, MeasuredCosts
+from .op_costs import CostsOf
 
 Build = Callable[[JointGraph, str, "NodeCosts | None"], Built]  # a graph's problem: (joint graph, name, op costs)
 
@@ -40,12 +40,12 @@ class Floor:
 
 class Floors:
     """The floors of one program's graph (`gm`, `jg`) and of its chunked copies, their problems made by `build`
-    (op costs from `costs_of` where the target does not `measure`), fusion groups by `fusion`."""
+    (op costs from `costs_of` where nothing is measured on the device: `measured`), fusion groups by `fusion`."""
 
     def __init__(self, gm: fx.GraphModule, jg: JointGraph, build: Build, costs_of: CostsOf, fusion: Fusion,
-                 settings: PlanningSettings, resolution: BudgetResolution, *, measure: bool):
+                 settings: PlanningSettings, resolution: BudgetResolution, *, measured: bool):
         self.gm, self.jg, self.build, self.costs_of, self.fusion = gm, jg, build, costs_of, fusion
-        self.settings, self.resolution, self.measure = settings, resolution, measure
+        self.settings, self.resolution, self.measured = settings, resolution, measured
 
     def floor(self, jg: JointGraph, budget: int | None = None) -> Floor:
         """The floor of `jg` (the program's graph or a chunked copy), before its ops are timed: its problem as the
@@ -56,8 +56,7 @@ class Floors:
         value). Where the program runs on this device, scratch and in-place writes are measured even under a
         profile's roofline, so the favourable problem is the floor then too. Tens of milliseconds on the 4-layer
         GPT; the bound is not computed (0) for a `budget` the unplanned peak meets."""
-        measured_here = self.measure or isinstance(self.costs_of, MeasuredCosts)  # a roofline's scratch is measured too
-        costs = NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True)) if measured_here else self.costs_of(jg.gm, jg)
+        costs = NodeCosts({}, {}, dict.fromkeys(reuse_candidates(jg), True)) if self.measured else self.costs_of(jg.gm, jg)
         built = self.build(jg, "floor", costs)
         p = built.problem
         groups = find_groups(p, self.fusion.fusible(jg, built.nodes))

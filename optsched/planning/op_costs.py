@@ -20,6 +20,7 @@ from .timing import OP_TIMING_SHARE, time_limit
 CostsOf = Callable[[fx.GraphModule, JointGraph], "NodeCosts | None"]  # a graph's op costs (None: the roofline's)
 
 
+
 class MeasuredCosts:
     """Op costs measured on `device`, times within OP_TIMING_SHARE of the planning time limit (`time_limit_s`: the
     option; None, the graph's default). Where the target does not measure times (a named profile: its roofline) but
@@ -27,9 +28,11 @@ class MeasuredCosts:
     per-thread partial sums, an attention backward's buffers: memory a roofline cannot know, and once the plan's peak
     step, the measured peak ran over the prediction); on "meta" (plan_offline's fake tensors) nothing is (None)."""
 
-    def __init__(self, device: torch.device, measure: bool, time_limit_s: float | None, cache: CostCache | None):
+    def __init__(self, device: torch.device, measure: bool, memory: bool, time_limit_s: float | None,
+                 cache: CostCache | None):
         self.device = device
-        self.measure = measure
+        self.measure = measure  # times
+        self.memory = memory  # scratch and out= forms (Target.measures_memory)
         self.time_limit_s = time_limit_s
         self.cache = cache  # measured costs of graphs planned before (shared by one optimized callable's planners)
         self.inputs: list[Callable[[], object]] = []  # the compiled call's inputs, weakly (see hold)
@@ -39,7 +42,7 @@ class MeasuredCosts:
         self.inputs = [weakref.ref(v) if isinstance(v, torch.Tensor) else (lambda v=v: v) for v in values]
 
     def __call__(self, gm: fx.GraphModule, jg: JointGraph) -> NodeCosts | None:
-        if not self.measure and self.device.type not in ("cpu", "cuda"):
+        if not self.memory:
             return None
         key = CostCache.key(gm, self.device) if self.cache is not None else None
         if key is not None and (known := self.cache.get(key)) is not None:

@@ -74,7 +74,8 @@ class Planner:
         self.resolution = resolution if resolution is not None else BudgetResolution(settings.budget)
         self.files = PlanFiles(settings, self.resolution, carried or {})
         self.observed_usage = observed_usage
-        self.measured = MeasuredCosts(target.device, target.measure, settings.time_limit_s, cost_cache)
+        self.measured = MeasuredCosts(target.device, target.measure, target.measures_memory, settings.time_limit_s,
+                                      cost_cache)
         self.costs = costs or self.measured
         self.grads_at_start = grads_at_start
         self.first_micro_batch = first_micro_batch or (lambda: None)

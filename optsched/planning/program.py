@@ -67,6 +67,12 @@ class Target:
     host_budget_bytes: int
     executor: Executor
 
+    @property
+    def measures_memory(self) -> bool:
+        """Whether its ops' scratch space and out= forms are measured: where their times are, and wherever the program
+        runs on this device (not plan_offline's "meta") though a named profile's roofline times them."""
+        return self.measure or self.device.type in ("cpu", "cuda")
+
     @classmethod
     def for_device(cls, settings: PlanningSettings, device: torch.device) -> Target:
         """The target of a program captured on `device` (torch.compile)."""

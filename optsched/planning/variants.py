@@ -55,7 +55,7 @@ class Variants:
         self.captured: Built | None = None  # the problem of `gm` as captured, once built
         self.solver, self.fusion, self.costs_of, self.resident = solver, fusion, costs_of, resident
         self.settings, self.target, self.resolution, self.time = solver.settings, solver.target, solver.resolution, solver.time
-        self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution, measure=self.target.measure)
+        self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution, measured=self.target.measures_memory)
 
     more_after = False  # something to try where the graph as captured fails (in_backward.py): it gets a share
 

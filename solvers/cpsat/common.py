@@ -121,7 +121,7 @@ def _charge(solver: cp_model.CpSolver, model: cp_model.CpModel) -> None:
     """The work of one solve on the solvers' clock (deterministic mode): its deterministic time in the clock's
     seconds, and the loading its deterministic time leaves out (solvers/model/clock.py)."""
     if clock.is_deterministic():
-        clock.count(getattr(solver, "optsched_work_unit", work_unit("segment")), solver.deterministic_time)
+        clock.count(solver.optsched_work_unit, solver.deterministic_time)  # type: ignore[attr-defined]  # make_solver's
         clock.count("cpsat_constraint", len(model.Proto().constraints))
 
 

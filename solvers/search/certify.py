@@ -13,9 +13,8 @@ from ..cpsat.bound import solve_bound_and_repair
 from ..model.problem import Problem, Schedule, SolveStats
 from ..model.simulator import SimResult
 from .fusion_groups import merge_formed
-from .heuristics import lower_bound_peak
+from .heuristics import base_orders, lower_bound_peak
 from .incumbent import gap
-from .heuristics import base_orders
 from .starts import GAP_TARGET
 
 CERTIFY_MIN_S = 0.05  # less time than this: the relaxation is not started

@@ -163,7 +163,7 @@ def fit_calibration(rows: list[dict]) -> dict:
 
     programs = [p for r in rows for p in r.get("programs", [])]
     samples = [(p["units"], p["wall_s"]) for p in programs if p["units"]]
-    samples += [({c["unit"]: c["count"]}, c["wall_s"]) for p in programs if (c := p.get("charged"))]  # captures
+    samples += [(c["units"], c["wall_s"]) for p in programs if (c := p.get("charged"))]  # captures
     table = {k: u.seconds for k, u in calibration.UNITS.items()}
     f = calibration_fit.fit(samples, keep=table, prior_weight=PRIOR_WEIGHT)
     before = [sum(table.get(k, 0.0) * v for k, v in u.items()) / w - 1 for u, w in samples]

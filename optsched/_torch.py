@@ -50,6 +50,9 @@ SYMBOLS: dict[str, Symbol] = {
         "torch._C:_current_graph_task_id", "refusing retain_graph: whether a backward runs in the autograd engine"),
     "get_current_graph_task_keep_graph": Symbol(
         "torch._C._autograd:_get_current_graph_task_keep_graph", "refusing retain_graph/create_graph in a planned backward"),
+    # None: plan_offline traces every block instead of stamping repeated ones
+    "get_sequence_nr": Symbol("torch._C._autograd:_get_sequence_nr",
+                              "plan_offline's stamped capture: which block a traced node comes from", "2.13", "none"),
     # None: the offload runtime takes a fresh host buffer set each step, and warns that it does
     "storage_use_count": Symbol("torch._C:_storage_Use_Count", "offloading: when a host buffer set is free again",
                                 stand_in="none"),
@@ -115,6 +118,9 @@ SYMBOLS: dict[str, Symbol] = {
     "use_lazy_graph_module": Symbol("torch.fx._lazy_graph_module:_use_lazy_graph_module",
                                     "plan_offline's capture: graph code generated when first run, as in Dynamo's",
                                     stand_in="none"),
+    # None: a stamped graph's code is generated as it is built
+    "make_graph_module": Symbol("torch.fx._lazy_graph_module:_make_graph_module",
+                                "plan_offline's stamped capture: graph code generated when first run", "2.13", "none"),
     "BatchNormBase": Symbol("torch.nn.modules.batchnorm:_BatchNorm",
                             "the BatchNorm momentum=None capture error names the user's layers", stand_in="never"),
 }

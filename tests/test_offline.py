@@ -59,27 +59,23 @@ def test_small_llama_plan_for_h100_and_its_file(tmp_path):
 def test_the_time_limit_covers_the_capture(monkeypatch):
     """The limit is the call's: the capture is charged to the program's planning account before it starts (its joint
     graph's nodes on the deterministic clock), so the search gets the limit less the capture."""
-    from optsched.planning import planner, timing
+    from benchmarks.planning_time import PlanningAccounts
+    from optsched.planning import timing
     from optsched.solvers.model import calibration
 
-    made = []
-
-    class Recorded(timing.PlanningTime):
-        def __init__(self) -> None:
-            super().__init__()
-            made.append(self)
-
-    monkeypatch.setattr(planner, "PlanningTime", Recorded)
     timings: dict = {}
-    plan_offline(_tiny_llama, _h100_batch, "80%", device_profile="h100", time_limit_s=4, timings=timings)
-    charged = made[-1].taken["charged"]
-    assert charged["unit"] == "graph_node_captured" and charged["count"] > 100
-    assert charged["clock_s"] == pytest.approx(calibration.seconds("graph_node_captured", charged["count"]))
-    assert charged["wall_s"] == pytest.approx(timings["capture_s"])
-    assert made[-1].taken["clock_s"] <= 4 - charged["clock_s"] + 0.5  # 3.1 s when written: the search went on
-    # a capture charged at more than the limit: the search keeps its share of it (problem building before it)
-    monkeypatch.setitem(calibration.UNITS, "graph_node_captured", calibration.Unit(10.0 / charged["count"], "test"))
-    plan_offline(_tiny_llama, _h100_batch, "80%", device_profile="h100", time_limit_s=4)
+    with PlanningAccounts() as recorded:
+        plan_offline(_tiny_llama, _h100_batch, "80%", device_profile="h100", time_limit_s=4, timings=timings)
+        made = recorded.made
+        charged = made[-1].taken["charged"]
+        count = charged["units"]["graph_node_captured"]
+        assert set(charged["units"]) == {"graph_node_captured"} and count > 100  # 2 blocks: traced whole
+        assert charged["clock_s"] == pytest.approx(calibration.seconds("graph_node_captured", count))
+        assert charged["wall_s"] == pytest.approx(timings["capture_s"])
+        assert made[-1].taken["clock_s"] <= 4 - charged["clock_s"] + 0.5  # 3.1 s when written: the search went on
+        # a capture charged at more than the limit: the search keeps its share of it (problem building before it)
+        monkeypatch.setitem(calibration.UNITS, "graph_node_captured", calibration.Unit(10.0 / count, "test"))
+        plan_offline(_tiny_llama, _h100_batch, "80%", device_profile="h100", time_limit_s=4)
     assert made[-1].taken["charged"]["clock_s"] == pytest.approx(10.0)
     assert made[-1].taken["clock_s"] <= timing.MIN_SEARCH_SHARE * 4 + 0.5
 

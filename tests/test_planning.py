@@ -112,16 +112,17 @@ def test_a_charge_before_planning_is_spent_from_the_limit():
     from optsched.planning.timing import MIN_SEARCH_SHARE, Charged, PlanningTime
     from optsched.solvers.model import calibration, clock
 
-    charge = Charged("graph_node_captured", 1000, wall_s=99.0)
+    charge = Charged({"graph_node_captured": 1000, "graph_node_stamped": 500}, wall_s=99.0)
     with clock.deterministic():
         t = PlanningTime()
         t.start(charge)
-        counted = calibration.seconds("graph_node_captured", 1000)
+        counted = calibration.seconds("graph_node_captured", 1000) + calibration.seconds("graph_node_stamped", 500)
         assert t.spent == pytest.approx(counted)
         assert t.slice(10.0) == pytest.approx(10.0 - counted)
         t.finish()
     assert t.taken["clock_s"] == pytest.approx(0.0)
-    assert t.taken["charged"] == {"unit": "graph_node_captured", "count": 1000, "wall_s": 99.0, "clock_s": counted}
+    assert t.taken["charged"] == {"units": {"graph_node_captured": 1000, "graph_node_stamped": 500}, "wall_s": 99.0,
+                                  "clock_s": counted}
     assert "graph_node_captured" not in t.taken["units"]
     t = PlanningTime()  # the wall clock: the 99 s it took, more than the limit: the search keeps its share
     t.start(charge)

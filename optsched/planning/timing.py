@@ -27,10 +27,10 @@ def time_limit(asked: float | None, ops: int) -> float:
 class Charged:
     """Work done for a program before its planning started that its time limit covers all the same:
     plan_offline's capture (the call a user waits for is capture and planning). On the deterministic clock it
-    counts as `count` of `unit` (the same charge on every run), on the wall clock as the `wall_s` it took."""
+    counts as its `units` of work (unit -> count: the same charge on every run), on the wall clock as the `wall_s`
+    it took."""
 
-    unit: str
-    count: float
+    units: dict[str, float]
     wall_s: float
 
 
@@ -66,7 +66,8 @@ class PlanningTime:
         self._start, self._wall0, self._units0 = clock.now(), time.perf_counter(), clock.units_counted()
         self.charged = charged
         if charged is not None:
-            self._charged_s = calibration.seconds(charged.unit, charged.count) if clock.is_deterministic() else charged.wall_s
+            self._charged_s = (sum(calibration.seconds(u, n) for u, n in charged.units.items())
+                               if clock.is_deterministic() else charged.wall_s)
 
     @property
     def spent(self) -> float:
@@ -115,4 +116,4 @@ class PlanningTime:
                       "units": {k: v - self._units0.get(k, 0.0) for k, v in units.items() if v - self._units0.get(k, 0.0)}}
         if self.charged is not None:
             c = self.charged
-            self.taken["charged"] = {"unit": c.unit, "count": c.count, "wall_s": c.wall_s, "clock_s": self._charged_s}
+            self.taken["charged"] = {"units": dict(c.units), "wall_s": c.wall_s, "clock_s": self._charged_s}

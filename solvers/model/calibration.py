@@ -40,6 +40,8 @@ UNITS: dict[str, Unit] = {
     "profiler_first_start": Unit(0.831, "the process's first start of the profiler (its libraries set up)"),
     "graph_node_captured": Unit(1.46e-3, "a node of the joint graph plan_offline's capture traced (fake tensors; the "
                                         "forward run twice, then forward and backward traced), charged to its limit"),
+    "graph_node_stamped": Unit(1.5e-4, "a node of a joint graph stamped from traced blocks (capture/stamping.py: the "
+                                       "check's 5 blocks and the model's N), charged to plan_offline's limit"),
     "group_compiled_eager": Unit(0.002, "a fusion group made into a kernel by the eager executor"),
     "group_compiled_inductor": Unit(0.429, "a fusion group compiled by Inductor"),
     "inductor_first_start": Unit(2.85, "the process's first Inductor compile (its set-up), beside its group's unit"),
@@ -66,6 +68,8 @@ UNITS: dict[str, Unit] = {
 # hand-set values.
 # graph_node_captured: plan_offline's capture of Llama-7B's layer x 80 under fake tensors took 25.1-25.5 s for 16706
 # nodes here (1.5 ms a node; the previous machine took 0.73-0.84), fitted on the benchmark's two captures.
+# graph_node_stamped: the 80-layer stamp (16546 nodes, and the 5-block check's 1266) took 1.9-2.7 s beside its traces
+# here, timed alone (the benchmark's captures are stamped since).
 FITTED_AT = {"commit": "3ff81d7 + CP-SAT's time priced per kind of model",
              "runs": 20, "how": "least squares with priors (pull 0.05), planning-time benchmark, idle 2-core AMD EPYC, "
                                 "2026-11-28"}

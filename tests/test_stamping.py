@@ -44,22 +44,25 @@ class _Labels(nn.Module):
 
 
 class _EncoderLoss(nn.Module):
-    """12 of torch.nn's TransformerEncoderLayer, the loss outside them. (Built one by one: nn.TransformerEncoder
-    deep-copies its layer, which under FakeTensorMode gives tensors of another fake mode, refused by AOTAutograd.)"""
+    """torch.nn's TransformerEncoder (12 layers, deep-copied from one: under FakeTensorMode copies are fake tensors of
+    another mode, which plan_offline makes its own), the loss outside it."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-                                    for _ in range(12))
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
 
     def forward(self, x, y):
-        for layer in self.layers:
-            x = layer(x)
-        return F.mse_loss(x, y)
+        return F.mse_loss(self.encoder(x), y)
 
 
 def _encoder():
     return _EncoderLoss(), (torch.randn(2, 8, 32), torch.randn(2, 8, 32))
+
+
+def test_a_deep_copied_torch_nn_encoder_plans_offline():
+    plan = plan_offline(lambda: _encoder()[0], lambda: _encoder()[1], None, device_profile="cpu", time_limit_s=2)
+    assert plan.kind == "training" and plan.summary()["n_ops"] > 12 * 10
 
 
 def _joints(build):
@@ -68,6 +71,7 @@ def _joints(build):
     with mode:
         module, inputs = build()
         inputs = offline._fake_inputs(mode, inputs)
+    offline._into_mode(module, mode)
     with mode, torch.enable_grad(), compiling():
         stamped = offline._stamped_joint(module, inputs)
         traced = offline._trace_joint(module, inputs).joint

@@ -32,7 +32,8 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry
 
-from .._torch import FakeTensor, FakeTensorMode, aot_module_simplified, compiling, tree_leaves, use_lazy_graph_module
+from .._torch import (FakeTensor, FakeTensorMode, aot_module_simplified, compiling, tree_leaves, unset_fake_temporarily,
+                      use_lazy_graph_module)
 
 from ..passes.prepare import prepare_inference, prepare_training
 from ..planning import Planner, ProgramKind, Target
@@ -312,6 +313,27 @@ def _fake_inputs(mode: FakeTensorMode, inputs) -> tuple:
                  for x in inputs)
 
 
+def _into_mode(module: torch.nn.Module, mode: FakeTensorMode) -> None:
+    """Parameters and buffers that are fake tensors of another mode, made this mode's (same geometry, dtype,
+    requires_grad; tied ones stay tied): copy.deepcopy of a fake tensor gives one of a new mode (nn.TransformerEncoder
+    deep-copies its layer), which AOTAutograd refuses beside the inputs' mode."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def ours(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            with unset_fake_temporarily():
+                meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            fake = FakeTensor(mode, meta, t.device)
+            moved[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+        return moved[id(t)]
+
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if isinstance(t, FakeTensor) and t.fake_mode is not mode:
+                    table[name] = ours(t)
+
+
 def _check_fake(module: torch.nn.Module) -> None:
     real = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if not isinstance(t, FakeTensor)]
     if real:
@@ -357,6 +379,7 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"model_factory must return an nn.Module, got {type(module).__name__}")
         inputs = _fake_inputs(mode, inputs_factory())
+    _into_mode(module, mode)
     _check_fake(module)
     # The forward sees a tracer, as under torch.compile: code that branches on data unless
     # torch.compiler.iscompiling() (transformers' mask helpers, for one) takes the traceable path.

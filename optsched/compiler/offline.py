@@ -397,9 +397,8 @@ def _capture(model_factory, inputs_factory, backend: OfflineBackend) -> None:
             with contextlib.suppress(_Planned):
                 backend.partition(joint, None, num_fwd_outputs=num_fwd_outputs)
         else:
-            flat, slots = _dynamo_order(module, inputs)
-            with attention, contextlib.suppress(_Planned):
-                aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(backend))  # never run
+            with attention:
+                _trace(module, inputs, backend)
     if not backend.planned:  # pragma: no cover
         raise RuntimeError("AOTAutograd returned without calling the planner")
 
@@ -421,11 +420,17 @@ class _JointCatcher:
     compile_forward = compile_backward = compile_inference
 
 
-def _trace_joint(module: torch.nn.Module, inputs: tuple) -> _JointCatcher:
-    catcher = _JointCatcher()
+def _trace(module: torch.nn.Module, inputs: tuple, hooks) -> None:
+    """AOTAutograd's capture of the step with `hooks` (compiler.backend.CompileHooks); nothing it builds is run, and a
+    partition hook that has what it needs ends it (`_Planned`)."""
     flat, slots = _dynamo_order(module, inputs)
     with contextlib.suppress(_Planned):
-        aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(catcher))
+        aot_module_simplified(_FlatStep(module, inputs, slots), flat, **aot_hooks(hooks))
+
+
+def _trace_joint(module: torch.nn.Module, inputs: tuple) -> _JointCatcher:
+    catcher = _JointCatcher()
+    _trace(module, inputs, catcher)
     return catcher
 
 

@@ -135,17 +135,17 @@ def compile_cost_s(executor: Executor, measure: bool) -> tuple[float, float]:
     """Seconds on the solvers' clock that compiling one more group adds (what `compile_groups` counts): its compile
     and timing, and apart from them the process's one-time set-up it would pay (Inductor's first start, once).
     Planning compiles a group only where this fits in the time left (planning/fusion.py)."""
-    if not _compiles(executor):
-        return (seconds("op_timed", 1) if measure else 0.0), 0.0
-    setup = 0.0
-    if executor.name == "inductor" and not clock.counted_once("inductor_first_start"):
-        setup = seconds("inductor_first_start", 1)
-    return seconds(compile_unit(executor.name), 1) + (seconds("op_timed", 1) if measure else 0.0), setup
+    compiled, setup = _compile_units(executor)
+    cost = sum(seconds(u, 1) for u in compiled) + (seconds("op_timed", 1) if measure else 0.0)
+    return cost, (seconds(setup, 1) if setup and not clock.counted_once(setup) else 0.0)
 
 
-def _compiles(executor: Executor) -> bool:
-    """Whether the executor's compile_group compiles anything (plan_offline's stand-ins only plan groups)."""
-    return not getattr(executor, "plans_only", False)
+def _compile_units(executor: Executor) -> tuple[list[str], str | None]:
+    """The units one group's compile counts, and the one-time set-up unit its first compile counts: none for
+    plan_offline's stand-in executors, which plan groups and build nothing."""
+    if getattr(executor, "plans_only", False):
+        return [], None
+    return [compile_unit(executor.name)], ("inductor_first_start" if executor.name == "inductor" else None)
 
 
 def compile_groups(
@@ -162,10 +162,11 @@ def compile_groups(
             if key not in cache and key not in examples:
                 example = [random_like(n.meta["val"], device) for n in g.inputs]
                 done = CompiledGroup(executor.compile_group(g.module, example))
-                if _compiles(executor):  # on the solvers' clock: planning time (deterministic mode)
-                    clock.count(compile_unit(executor.name))
-                    if executor.name == "inductor":  # its first compile sets Inductor up
-                        clock.count_once("inductor_first_start")
+                compiled, setup = _compile_units(executor)  # on the solvers' clock: planning time (deterministic mode)
+                for unit in compiled:
+                    clock.count(unit)
+                if setup is not None:  # its first compile sets the compiler up
+                    clock.count_once(setup)
                 if measure:
                     done.time_s = _time_kernel(done.kernel, example)
                     clock.count("op_timed")

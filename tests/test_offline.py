@@ -333,6 +333,9 @@ def _h100_gpt():
 # test's process, earlier tests' blocks are counted by torch.cuda.memory_allocated and by no plan)
 _H100_REPLAY = r"""
 import json, sys
+from benchmarks.gpu_check import ensure_optsched_importable
+
+ensure_optsched_importable()  # a source tree on PYTHONPATH, as on the GPU machine
 import torch
 import optsched
 from optsched.costs.measure import measure_training_step

@@ -13,7 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .cuda_allocator import (
     CUBLAS_OPS, CUBLASLT_OPS, AllocatorConfig, ThreadUse, addmm_uses_cublaslt, allocated_bytes, persistent_allocations,
 )
-from .profiles import DeviceProfile, NodeCosts, compute_capability, node_flops, node_time
+from .cuda_reduce import reduce_scratch
+from .profiles import DeviceProfile, NodeCosts, compute_capability, multiprocessors, node_flops, node_time
 from ..passes.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph, Storage
 from .sdpa_prediction import host_outputs
@@ -430,6 +431,7 @@ def build_problem(
                 reuse_all=is_foreach_reuse(node),
                 workspace_bytes=(measured.workspace.get(node.name, 0) if measured else 0)
                 + (cuda.unread_output_bytes(jg, node, known) if cuda is not None else 0)
+                + (cuda.kernel_scratch_bytes(node) if cuda is not None and not _scratch_measured(measured, node) else 0)
                 + sum(count(tangent_bytes[s]) for s in reads if s in tangent_bytes),
             )
         )
@@ -535,7 +537,9 @@ class CudaMemory:
       program) are allocated by the kernel and dropped after its step: scratch space of that op;
     * the cuBLAS (and cuBLASLt) workspaces of the threads that call cuBLAS are storages of the whole step:
       allocated at the first such call and kept for the process's life, they exist before every step but
-      the first (and in the first, counting them from its start is the conservative choice).
+      the first (and in the first, counting them from its start is the conservative choice);
+    * a sum or mean split across thread blocks stages partial results in global memory for the kernel's life
+      (costs/cuda_reduce.py): scratch of that op where nothing measured the op's memory (an offline plan).
 
     `device_types`: the fake-tensor devices that stand for GPU storages. `capability`: the GPU's compute
     capability, which sizes the cuBLAS workspace.
@@ -544,6 +548,8 @@ class CudaMemory:
     config: AllocatorConfig
     capability: tuple[int, int]
     device_types: frozenset[str]
+    multiprocessors: int = 132
+    threads_per_multiprocessor: int = 2048
 
     @classmethod
     def for_target(cls, jg: JointGraph, profile: DeviceProfile, device: torch.device | str | None) -> CudaMemory | None:
@@ -551,11 +557,15 @@ class CudaMemory:
         does not run on CUDA (bytes are then the storages' own sizes)."""
         dev = torch.device(device) if device is not None else _graph_device(jg)
         if dev.type == "cuda":
-            capability = (tuple(torch.cuda.get_device_capability(dev)) if torch.cuda.is_available()
-                          else compute_capability(profile))
-            return cls(AllocatorConfig.from_env(), capability, frozenset({"cuda"}))
+            if not torch.cuda.is_available():
+                return cls(AllocatorConfig.from_env(), compute_capability(profile), frozenset({"cuda"}),
+                           multiprocessors(profile))
+            props = torch.cuda.get_device_properties(dev)
+            return cls(AllocatorConfig.from_env(), tuple(torch.cuda.get_device_capability(dev)), frozenset({"cuda"}),
+                       props.multi_processor_count, getattr(props, "max_threads_per_multi_processor", 2048))
         if dev.type == "meta" and profile.device_type == "cuda":  # an offline capture for a GPU profile
-            return cls(AllocatorConfig.from_env(), compute_capability(profile), frozenset({"cpu", "cuda", "meta"}))
+            return cls(AllocatorConfig.from_env(), compute_capability(profile), frozenset({"cpu", "cuda", "meta"}),
+                       multiprocessors(profile))
         return None
 
     def count(self, nbytes: int) -> int:
@@ -596,6 +606,27 @@ class CudaMemory:
             total += self.count(v.untyped_storage().nbytes())
         return total
 
+    def kernel_scratch_bytes(self, node: fx.Node) -> int:
+        """What the op's CUDA kernel allocates and frees beside its outputs, as far as it is predicted: a sum's or
+        mean's staging memory and semaphores (costs/cuda_reduce.py); 0 for other ops."""
+        if _packet(node) not in _REDUCTIONS or not node.args:
+            return 0
+        x = _value(node.args[0])
+        if not isinstance(x, torch.Tensor) or not self.on_device(x) or x.is_complex():
+            return 0
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        try:
+            shape, strides = [int(s) for s in x.shape], [int(s) for s in x.stride()]
+            dims = [int(d) for d in (dims or [])]
+            offset = int(x.storage_offset())
+        except (TypeError, RuntimeError):  # symbolic sizes: no prediction
+            return 0
+        wide = x.dtype == torch.float64 or not x.dtype.is_floating_point  # double, int64 and bool sums accumulate wide
+        got = reduce_scratch(shape, strides, dims, element_bytes=x.element_size(), accumulator_bytes=8 if wide else 4,
+                             multiprocessors=self.multiprocessors,
+                             threads_per_multiprocessor=self.threads_per_multiprocessor, storage_offset=offset)
+        return self.count(got.staging_bytes) + self.count(got.semaphore_bytes)
+
     def workspaces(self, jg: JointGraph) -> list:
         """The cuBLAS / cuBLASLt workspaces the program's threads allocate (cuda_allocator.persistent_allocations):
         the forward's on the caller's thread; the backward's on the autograd engine's device thread, which
@@ -616,6 +647,19 @@ class CudaMemory:
                 use[p][1] = use[p][1] or lt
         threads = {k: ThreadUse(*v) for k, v in use.items()}
         return persistent_allocations(self.capability, threads, config=self.config)
+
+
+_REDUCTIONS = frozenset({"sum", "mean"})  # aten packets run by gpu_reduce_kernel with a sum's accumulator
+
+
+def _value(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
+def _scratch_measured(measured: NodeCosts | None, node: fx.Node) -> bool:
+    """Whether running the op on the device measured its scratch (op timing's profiler saw its allocations)."""
+    return (measured is not None and measured.scratch_measured and node.name not in measured.unmeasured
+            and node.name not in measured.estimated)
 
 
 def _host_outputs(node: fx.Node) -> tuple[int, ...]:

@@ -72,6 +72,16 @@ COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"a100": (8, 0), "h100": (9, 0)
 profile missing here is treated as an sm80 part."""
 
 
+MULTIPROCESSORS: dict[str, int] = {"a100": 108, "h100": 132, "h200": 132}
+"""SMs of the GPU each CUDA profile names (the SXM parts): how far PyTorch's reduction kernel splits a reduction
+across thread blocks, and so its staging memory (costs/cuda_reduce.py). A profile missing here counts 132."""
+
+
+def multiprocessors(profile: DeviceProfile) -> int:
+    """`MULTIPROCESSORS` of a CUDA profile, 132 for one it does not list."""
+    return MULTIPROCESSORS.get(profile.name.lower(), 132)
+
+
 def compute_capability(profile: DeviceProfile) -> tuple[int, int]:
     """`COMPUTE_CAPABILITY` of a CUDA profile, (8, 0) for one it does not list."""
     return COMPUTE_CAPABILITY.get(profile.name.lower(), (8, 0))

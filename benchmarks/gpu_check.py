@@ -14,12 +14,18 @@ every case of the headline likewise; a CUDA error that poisons the process skips
                   60% and torch.compile (Inductor) at 0.5. Per case: measured peak (allocator, model resident),
                   optsched's predicted peak, step time (CUDA events, median after warm-up), the allocator's
                   reserved peak, gradients against eager's, planning seconds, solver status and gap
-    offload       at 40% (--low-share): the offload plan's measured step time against the recompute-only
+    offload       at 40% (--low-share) and 60%: the offload plan's measured step time against the recompute-only
                   plan's, and its predicted exposed copy time against an estimate from a profiled step of each
+                  (the first budget whose plan offloads anything)
     does_not_fit  the allocator capped (set_per_process_memory_fraction) below eager's peak: eager runs out
                   of memory, optsched with mem_budget="auto" (and bytes) plans and runs within the cap from
                   the first call; the first call's peak, planning included
     gpu_tests     `pytest -m gpu` in a child process (only the test files that have the marker): counts
+
+The caching allocator runs with expandable segments (--alloc-conf; unless PYTORCH_ALLOC_CONF or
+PYTORCH_CUDA_ALLOC_CONF is set): it then counts each block at its requested size rounded to 512 bytes, what a
+plan predicts. In its default mode a block it does not split counts whole, history decides which, and measured
+peaks ran 11-15 MiB above the requested bytes on the H200 (issue 32; docs/benchmarks.md, the allocator's modes).
 
 Writes benchmarks/results/gpu_check.json (--out) after every case, and prints a table. Without CUDA it says so
 and writes a JSON with "cuda": false and every section skipped with its reason; --cpu-smoke runs the headline on
@@ -1311,6 +1317,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "within the device call's 540 s)")
     ap.add_argument("--pytest-timeout", type=float, default=120.0, help="pytest -m gpu's limit, s")
     ap.add_argument("--no-tests", action="store_true", help="skip pytest -m gpu")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True",
+                    help="the caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF) unless the environment sets them; "
+                         "'' for its default mode")
     ap.add_argument("--sections", default=None,
                     help="only these sections (comma-separated: preflight, headline, offload, does_not_fit, gpu_tests)")
     ap.add_argument("--cases", default=None, help="only these headline cases (names or kinds, comma-separated); eager always")
@@ -1343,10 +1352,23 @@ def new_result(a: argparse.Namespace, cuda: bool, cfg: ModelConfig) -> dict:
     }
 
 
+def apply_alloc_conf(conf: str, environ: dict | None = None) -> str | None:
+    """The caching allocator's settings for this process: `conf` unless the environment sets its own (read when
+    CUDA first allocates, so before any CUDA call). Returns the settings in force ('' for the default mode)."""
+    environ = os.environ if environ is None else environ
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if name in environ:
+            return environ[name]
+    if conf:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    return conf
+
+
 def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    alloc_conf = apply_alloc_conf(a.alloc_conf)
     import torch
 
-    a = parse_args(argv)
     found = ensure_optsched_importable()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -1359,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
         # one intra-op thread: on a small shared machine two can be tens of times slower (optsched/costs/measure.py)
         torch.set_num_threads(1)
     try:
-        check.result["environment"] = {**environment(device), "optsched_from": found}
+        check.result["environment"] = {**environment(device), "optsched_from": found, "alloc_conf": alloc_conf}
         check.result["meta"] = result_meta(check.result["environment"])
         check.save()
         steps = [("preflight", section_preflight), ("headline", section_headline_first), ("offload", section_offload),

@@ -968,6 +968,11 @@ def headline_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _alloc_mode(env: dict) -> str:
+    conf = env.get("alloc_conf")
+    return f"PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else "its default mode"
+
+
 def gpu_table(d: dict) -> str:
     """`make gpu-check`'s JSON: the device, the headline side by side, and what the other sections found."""
     env, secs = d.get("environment", {}), d.get("sections", {})
@@ -978,7 +983,8 @@ def gpu_table(d: dict) -> str:
         f"{env.get('device')} ({(env.get('device_memory_bytes') or 0) / 2**30:.0f} GiB), torch {env.get('torch')}, "
         f"CUDA {env.get('cuda_runtime')}, cuDNN {env.get('cudnn')}, Triton {env.get('triton')}, transformers "
         f"{env.get('transformers')}. {model.get('describe', '')}, {model.get('params', 0) / 1e6:.0f}M parameters; "
-        f"labels given. Rows run eager kernels unless they name Inductor. Budgets are shares of eager's measured peak; "
+        f"labels given. The caching allocator: {_alloc_mode(env)}. Rows run eager kernels unless they name Inductor. "
+        f"Budgets are shares of eager's measured peak; "
         f"a predicted step is optsched's estimate, from op times measured on the GPU or the profile's roofline.",
         "",
         "| case | budget | predicted | measured | fits | step | predicted step | vs eager | grads (max rel. vs eager) "
@@ -1112,6 +1118,8 @@ TABLES = {
     "fsdp": ("fsdp_offline.json", fsdp_table),
     "gpu": ("gpu_check.json", gpu_table),
     "gpu_rerun": ("gpu_check_rerun.json", gpu_table),
+    "gpu_alloc_default": ("gpu_check_alloc_default.json", gpu_table),
+    "gpu_alloc_expandable": ("gpu_check_alloc_expandable.json", gpu_table),
     "durations": (None, durations_table),
 }
 # the files the tables are rendered into

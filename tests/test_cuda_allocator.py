@@ -268,3 +268,18 @@ def test_predicted_peak_is_what_the_caching_allocator_counts():
     predicted = opt.plan.predicted_peak_bytes
     assert measured <= predicted <= 1.01 * measured, (
         f"predicted {predicted} bytes, measured {measured} ({(predicted - measured) / measured:+.3%})")
+
+
+def test_gpu_plans_name_the_allocators_default_mode(monkeypatch, default_env):
+    """Measured on an H200, the default mode counted 11-15 MiB over the requested bytes (blocks served whole) and
+    expandable segments none: a CUDA plan with a budget says which it assumes; CPU plans and no budget say nothing."""
+    from optsched.costs.cuda_allocator import DEFAULT_MODE_NOTE
+
+    def notes(profile, budget):
+        return plan_offline(_MLP, _inputs, budget, device_profile=profile, time_limit_s=1).stats.notes
+
+    assert DEFAULT_MODE_NOTE in notes("h100", "100%")
+    assert DEFAULT_MODE_NOTE not in notes("h100", None)
+    assert DEFAULT_MODE_NOTE not in notes("cpu", "100%")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert DEFAULT_MODE_NOTE not in notes("h100", "100%")

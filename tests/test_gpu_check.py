@@ -509,3 +509,17 @@ def test_the_commit_sent_with_the_tree_is_the_one_recorded(monkeypatch):
     assert meta["dirty_files"] == []
     monkeypatch.delenv("OPTSCHED_COMMIT")
     assert gc.result_meta({"git": gc.git_state()})["commit"] == gc.git_state()["commit"] != "0123456789abcdef"
+
+
+def test_alloc_conf_is_the_users_when_set():
+    """gpu_check runs the allocator with expandable segments unless the environment chose its own settings."""
+    from benchmarks.gpu_check import apply_alloc_conf
+
+    env: dict = {}
+    assert apply_alloc_conf("expandable_segments:True", env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}
+    assert apply_alloc_conf("expandable_segments:True", mine) == "max_split_size_mb:128"
+    assert mine == {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}
+    env = {}
+    assert apply_alloc_conf("", env) == "" and env == {}  # the default mode

@@ -25,6 +25,7 @@ from ..capture.fingerprint import fingerprint
 from ..capture.joint_graph import JointGraph
 from ..capture.output_usage import OutputUsage
 from ..costs.cost_cache import CostCache
+from ..costs.cuda_allocator import AllocatorConfig, default_mode_note
 from ..costs.measure import unread_state
 from ..costs.problem_builder import oversized_storages
 from ..executors import get_executor
@@ -164,6 +165,10 @@ class Planner:
         plan.budget_from = dict(lent) if lent else self.resolution.source(peak, fp["hash"], training=training)
         if lent_note is not None and lent_note not in plan.stats.notes:
             plan.stats.notes.append(lent_note)
+        if plan.profile.device_type == "cuda" and plan.budget_bytes is not None:
+            note = default_mode_note(AllocatorConfig.from_env())
+            if note is not None and note not in plan.stats.notes:
+                plan.stats.notes.append(note)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
 

@@ -77,6 +77,7 @@ class Move:
     always: bool = False  # runs whatever its slice (a start, the hint, the certification); else from MIN_SLICE_S
     wanted: Callable[[Incumbent], bool] = lambda _inc: True  # given what the incumbent holds when its turn comes
     improver: bool = False  # starts from the incumbent's plan: runs again while it still gains (strategy.run_portfolio)
+    offload_only: bool = False  # applies only where offloading is allowed: the other moves' slices leave its weight out
 
 
 def _left(deadline: float) -> float:
@@ -218,16 +219,16 @@ EARLY_SEGMENTS = Move("segment search from the program", lambda c: c.training an
 INTERVAL_MODEL = Move("interval model", lambda c: c.training and c.small, interval_model, always=True)
 RELAXATION = Move("relaxation + repair", lambda c: c.training and not c.small, relaxation, always=True)
 RELAXATION_OFFLOADS = Move("relaxation with offloads", lambda c: c.training and not c.small and c.offload
-                           and c.budget is not None, relaxation_with_offloads, always=True)
+                           and c.budget is not None, relaxation_with_offloads, always=True, offload_only=True)
 BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.budget is not None
                            and bool(c.blocks.blocks), block_checkpointing, always=True)
 RECOMPUTE_SWAPS = Move("recompute swaps", lambda c: c.training and c.budget is not None
                        and len(c.problem.ops) <= SWAP_MAX_OPS, recompute_swaps, wanted=lambda inc: not inc.found,
                        improver=True)
 REORDER = Move("reorder windows", lambda c: c.training, reorder_windows, improver=True)
-OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder, improver=True)
+OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder, improver=True, offload_only=True)
 REORDER_LOWEST = Move("reorder windows (copies kept)", lambda c: c.training and c.offload, reorder_lowest,
-                      wanted=lambda inc: not inc.found, improver=True)
+                      wanted=lambda inc: not inc.found, improver=True, offload_only=True)
 SEGMENTS = Move("segment search", lambda c: c.training and c.budget is not None, segment_search, improver=True)
 CHAIN_MOVE = Move("chain", lambda c: CHAIN and c.training and c.budget is not None
                   and len(c.blocks.blocks) >= MIN_BLOCKS, chain, improver=True)

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .cuda_allocator import (
     CUBLAS_OPS, CUBLASLT_OPS, AllocatorConfig, ThreadUse, addmm_uses_cublaslt, allocated_bytes, persistent_allocations,
 )
-from .cuda_reduce import reduce_scratch
+from .cuda_reduce import ReduceScratch, reduce_scratch
 from .profiles import DeviceProfile, NodeCosts, compute_capability, multiprocessors, node_flops, node_time
 from ..passes.chunked_ce import KERNELS_PER_CHUNK, OP as CHUNKED_CE
 from ..capture.joint_graph import JointGraph, Storage
@@ -609,23 +609,8 @@ class CudaMemory:
     def kernel_scratch_bytes(self, node: fx.Node) -> int:
         """What the op's CUDA kernel allocates and frees beside its outputs, as far as it is predicted: a sum's or
         mean's staging memory and semaphores (costs/cuda_reduce.py); 0 for other ops."""
-        if _packet(node) not in _REDUCTIONS or not node.args:
-            return 0
-        x = _value(node.args[0])
-        if not isinstance(x, torch.Tensor) or not self.on_device(x) or x.is_complex():
-            return 0
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        try:
-            shape, strides = [int(s) for s in x.shape], [int(s) for s in x.stride()]
-            dims = [int(d) for d in (dims or [])]
-            offset = int(x.storage_offset())
-        except (TypeError, RuntimeError):  # symbolic sizes: no prediction
-            return 0
-        wide = x.dtype == torch.float64 or not x.dtype.is_floating_point  # double, int64 and bool sums accumulate wide
-        got = reduce_scratch(shape, strides, dims, element_bytes=x.element_size(), accumulator_bytes=8 if wide else 4,
-                             multiprocessors=self.multiprocessors,
-                             threads_per_multiprocessor=self.threads_per_multiprocessor, storage_offset=offset)
-        return self.count(got.staging_bytes) + self.count(got.semaphore_bytes)
+        got = _reduction_scratch(node, self) if _packet(node) in _REDUCTIONS and node.args else None
+        return 0 if got is None else self.count(got.staging_bytes) + self.count(got.semaphore_bytes)
 
     def workspaces(self, jg: JointGraph) -> list:
         """The cuBLAS / cuBLASLt workspaces the program's threads allocate (cuda_allocator.persistent_allocations):
@@ -650,6 +635,22 @@ class CudaMemory:
 
 
 _REDUCTIONS = frozenset({"sum", "mean"})  # aten packets run by gpu_reduce_kernel with a sum's accumulator
+
+
+def _reduction_scratch(node: fx.Node, cuda: CudaMemory) -> ReduceScratch | None:
+    x = _value(node.args[0])
+    if not isinstance(x, torch.Tensor) or not cuda.on_device(x) or x.is_complex():
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    try:
+        shape, strides = [int(s) for s in x.shape], [int(s) for s in x.stride()]
+        dims, offset = [int(d) for d in (dims or [])], int(x.storage_offset())
+    except (TypeError, RuntimeError):  # symbolic sizes: no prediction
+        return None
+    wide = x.dtype == torch.float64 or not x.dtype.is_floating_point  # double, int64 and bool sums accumulate wide
+    return reduce_scratch(shape, strides, dims, element_bytes=x.element_size(), accumulator_bytes=8 if wide else 4,
+                          multiprocessors=cuda.multiprocessors, threads_per_multiprocessor=cuda.threads_per_multiprocessor,
+                          storage_offset=offset)
 
 
 def _value(a):

@@ -165,12 +165,16 @@ class Planner:
         plan.budget_from = dict(lent) if lent else self.resolution.source(peak, fp["hash"], training=training)
         if lent_note is not None and lent_note not in plan.stats.notes:
             plan.stats.notes.append(lent_note)
-        if plan.profile.device_type == "cuda" and plan.budget_bytes is not None:
-            note = default_mode_note(AllocatorConfig.from_env())
-            if note is not None and note not in plan.stats.notes:
-                plan.stats.notes.append(note)
+        _note_allocator_mode(plan)
         if training:
             self.resolution.record_training(self.resolution.bytes_for(peak), peak, fp["hash"])
+
+
+def _note_allocator_mode(plan: Plan) -> None:
+    """A CUDA plan with a budget says what the caching allocator's mode does to its prediction (cuda_allocator)."""
+    note = default_mode_note(AllocatorConfig.from_env()) if plan.profile.device_type == "cuda" else None
+    if note is not None and plan.budget_bytes is not None and note not in plan.stats.notes:
+        plan.stats.notes.append(note)
 
 
 def fusion_of(target: Target, settings: PlanningSettings) -> Fusion:

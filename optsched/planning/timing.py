@@ -90,6 +90,11 @@ class PlanningTime:
         searched = 0.0 if self._search_start is None else clock.now() - self._search_start
         return max(0.0, self.limit_s - self.spent, MIN_SEARCH_SHARE * (self.limit or 0.0) - searched)
 
+    def left_within(self, limit: float) -> float:
+        """Seconds left of this program's limit, or of `limit` before a solve set it (a budget refused before any
+        search)."""
+        return max(0.0, (self.limit or limit) + self.setup_s - self.spent)
+
     def outside_search_left(self, limit: float, upcoming_s: float = 0.0, setup_s: float = 0.0) -> bool:
         """Whether work outside the search (a fusion group compiled) that costs `upcoming_s` on the clock fits in the
         share of the limit the search does not keep (1 - MIN_SEARCH_SHARE): priced before it starts, since once

@@ -26,6 +26,7 @@ from .fusion import Fusion
 from .op_costs import CostsOf, chunked_costs, cost_notes
 from .program import ProgramKind, Planned
 from .solving import ProgramSolver, droppable_outputs
+from .timing import PlanningTime, time_limit
 
 AUTO_FIRST_SHARE = 0.5  # chunking="auto": the share of the time limit the graph as captured gets (the counts the rest)
 CHUNK_TIE = 0.01  # more chunks are chosen only when their plan is faster by more than this share
@@ -42,6 +43,17 @@ class Trial:
     graph: JointGraph
 
 
+def _time_left(time: PlanningTime, asked: float | None, nodes: int) -> float:
+    return time.left_within(time_limit(asked, nodes))
+
+
+def _floors(v: Variants) -> Floors:
+    """The floors of `v`'s graph, their optional work (chunking's reach in an error) within its time limit."""
+    left = partial(_time_left, v.time, v.settings.time_limit_s, len(v.gm.graph.nodes))
+    return Floors(v.gm, v.jg, v.build, v.costs_of, v.fusion, v.settings, v.resolution,
+                  measured=v.target.measures_memory, time_left=left)
+
+
 class Variants:
     """The candidates of one program (`gm`, `jg`: its graph, never changed) of `kind`, planned for `usage` (the
     caller's, seen in a backward when `observed_usage`): solved by `solver` (whose time account they share), fused
@@ -55,7 +67,7 @@ class Variants:
         self.captured: Built | None = None  # the problem of `gm` as captured, once built
         self.solver, self.fusion, self.costs_of, self.resident = solver, fusion, costs_of, resident
         self.settings, self.target, self.resolution, self.time = solver.settings, solver.target, solver.resolution, solver.time
-        self.floors = Floors(gm, jg, self.build, costs_of, fusion, self.settings, self.resolution, measured=self.target.measures_memory)
+        self.floors = _floors(self)
 
     more_after = False  # something to try where the graph as captured fails (in_backward.py): it gets a share
 

@@ -1366,9 +1366,11 @@ def apply_alloc_conf(conf: str, environ: dict | None = None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    alloc_conf = apply_alloc_conf(a.alloc_conf)
     import torch
 
+    # before any CUDA allocation (is_available does not allocate); not on a CPU, where it means nothing and would
+    # stay in the environment of a caller that runs this in-process (the tests)
+    alloc_conf = apply_alloc_conf(a.alloc_conf) if torch.cuda.is_available() else None
     found = ensure_optsched_importable()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

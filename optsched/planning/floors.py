@@ -47,7 +47,7 @@ class Floors:
                  time_left: Callable[[], float] | None = None):
         self.gm, self.jg, self.build, self.costs_of, self.fusion = gm, jg, build, costs_of, fusion
         self.settings, self.resolution, self.measured = settings, resolution, measured
-        self.time_left = time_left  # seconds of the program's time limit left (PlanningTime.left)
+        self.time_left = time_left  # seconds of the program's time limit left (PlanningTime.left_within)
 
     def floor(self, jg: JointGraph, budget: int | None = None) -> Floor:
         """The floor of `jg` (the program's graph or a chunked copy), before its ops are timed: its problem as the

@@ -675,7 +675,7 @@ def plan_record(plan) -> dict:
             "steps": [[p.ops[o].name, rc, p.ops[o].workspace_bytes] for o, rc in sim.steps],
             "lifetimes": [[p.tensors[lt.tensor].name, p.tensors[lt.tensor].bytes, lt.start, lt.end, lt.recomputed,
                            lt.prefetched, p.tensors[lt.tensor].kind.name] for lt in sim.lifetimes],
-            "allocated": {k: v for k, v in dict(plan.allocated).items() if isinstance(v, (int, float, str))}}
+            "allocated": dict(plan.allocated)}
 
 
 # --------------------------------------------------------------------------- headline cases
@@ -1368,11 +1368,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import torch
 
+    cuda = torch.cuda.is_available()
     # before any CUDA allocation (is_available does not allocate); not on a CPU, where it means nothing and would
     # stay in the environment of a caller that runs this in-process (the tests)
-    alloc_conf = apply_alloc_conf(a.alloc_conf) if torch.cuda.is_available() else None
+    alloc_conf = apply_alloc_conf(a.alloc_conf) if cuda else None
     found = ensure_optsched_importable()
-    cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = model_config(a, cuda)
     check = Check(a, device, cfg, a.out, new_result(a, cuda, cfg), started=STARTED)

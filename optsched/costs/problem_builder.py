@@ -638,7 +638,8 @@ _REDUCTIONS = frozenset({"sum", "mean"})  # aten packets run by gpu_reduce_kerne
 
 
 def _reduction_scratch(node: fx.Node, cuda: CudaMemory) -> ReduceScratch | None:
-    x = _value(node.args[0])
+    arg = node.args[0]
+    x = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     if not isinstance(x, torch.Tensor) or not cuda.on_device(x) or x.is_complex():
         return None
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -651,10 +652,6 @@ def _reduction_scratch(node: fx.Node, cuda: CudaMemory) -> ReduceScratch | None:
     return reduce_scratch(shape, strides, dims, element_bytes=x.element_size(), accumulator_bytes=8 if wide else 4,
                           multiprocessors=cuda.multiprocessors, threads_per_multiprocessor=cuda.threads_per_multiprocessor,
                           storage_offset=offset)
-
-
-def _value(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
 def _scratch_measured(measured: NodeCosts | None, node: fx.Node) -> bool:

@@ -697,8 +697,33 @@ def planning_time_table(d: dict) -> str:
     if m:  # the clock counts seconds of the reference machine: wall seconds scale with the machine's speed
         lines += ["", f"Machine: {m.get('cpu')}, {m.get('cpus')} CPUs, CPU probe {m.get('probe_s')} s "
                       "(benchmarks/meta.py's `cpu_probe`: a fixed pure-Python loop, lower is faster)."]
+    if any(p.get("stages") for c in d["cases"] for r in c["rows"] + c["longer"] for p in r.get("programs", [])):
+        lines += ["", _stages_table(d)]
     if d.get("fit"):
         lines += ["", _calibration_table(d["fit"])]
+    return "\n".join(lines)
+
+
+STAGES = ("op timing", "problem building", "bound", "simulation", "cp-sat", "search", "fusion compiles")
+
+
+def _stages_table(d: dict) -> str:
+    """Where each run's planning wall seconds went, summed over its programs (optsched's `clock.stage`): each stage's
+    own seconds, the rest (wall seconds in no stage: the planner's own Python) and the clock's count beside them."""
+    lines = ["Where the planning's wall seconds went (each run's programs together; `clock.stage`: a stage's own "
+             "seconds, those of the stages inside it left out; search = the portfolio's own work, building CP-SAT "
+             "models included; rest = in no stage; clock = the seconds the clock counted, capture charges left out):",
+             "", "| model | budget | T | wall s | " + " | ".join(STAGES) + " | rest | clock s |",
+             "|---|---|---|---|" + "---|" * (len(STAGES) + 2)]
+    for case in d["cases"]:
+        for r in case["rows"] + case["longer"]:
+            progs = r.get("programs", [])
+            stages = {k: sum(p.get("stages", {}).get(k, 0.0) for p in progs) for k in STAGES}
+            wall = sum(p["wall_s"] for p in progs)
+            rest = wall - sum(sum(p.get("stages", {}).values()) for p in progs)
+            lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {wall:.2f} | "
+                         + " | ".join(f"{stages[k]:.2f}" for k in STAGES)
+                         + f" | {rest:.2f} | {sum(p['clock_s'] for p in progs):.2f} |")
     return "\n".join(lines)
 
 

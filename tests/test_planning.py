@@ -128,3 +128,49 @@ def test_a_charge_before_planning_is_spent_from_the_limit():
     t.start(charge)
     assert t.spent >= 99.0
     assert t.slice(10.0) == pytest.approx(MIN_SEARCH_SHARE * 10.0, abs=0.01)
+
+
+def test_a_stage_holds_its_own_wall_seconds_not_its_inner_stages():
+    import time as _time
+
+    from optsched.solvers.model import clock
+
+    assert clock.stage_seconds() == {}
+    with clock.stage("ignored"):  # outside deterministic mode nothing is timed
+        pass
+    with clock.deterministic():
+        with clock.stage("outer"):
+            _time.sleep(0.05)
+            with clock.stage("inner"):
+                _time.sleep(0.1)
+            _time.sleep(0.05)
+        spent = clock.stage_seconds()
+    assert set(spent) == {"outer", "inner"}
+    assert 0.1 <= spent["inner"] < 0.15, spent
+    assert 0.1 <= spent["outer"] < 0.15, spent  # the inner stage's 0.1 s left out
+
+
+def test_a_planning_account_keeps_the_wall_seconds_of_its_stages(monkeypatch):
+    """Each program's account says where its wall time went (op timing, problem building, the bound, simulations,
+    CP-SAT, the search's own work), within its wall seconds: what benchmarks/planning_time.py shows per stage."""
+    from optsched.planning import planner
+
+    made = []
+
+    class Recorded(planner.PlanningTime):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(planner, "PlanningTime", Recorded)
+    cfg = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    model = gpt.build(cfg)
+    idx, targets = gpt.make_batch(cfg, 2)
+    opt = optsched.optimize(model, "70%", time_limit_s=1.0, deterministic=True)
+    opt(idx, targets).backward()
+    taken = [t.taken for t in made if t.taken is not None and t.limit]
+    assert taken
+    stages = taken[0]["stages"]
+    assert {"op timing", "problem building", "bound", "simulation", "search"} <= set(stages), stages
+    assert all(v > 0 for v in stages.values()), stages
+    assert sum(stages.values()) <= taken[0]["wall_s"] * 1.001, (stages, taken[0]["wall_s"])

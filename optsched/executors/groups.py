@@ -155,7 +155,7 @@ def compile_groups(
     """Compile each group (once per distinct subgraph); with `measure`, time it and find its scratch
     space (once per distinct subgraph too). `cache` carries both across calls for one graph."""
     cache = {} if cache is None else cache
-    with unset_fake_temporarily():
+    with clock.stage("fusion compiles"), unset_fake_temporarily():
         examples: dict[str, list[torch.Tensor]] = {}  # the kernels compiled now, to measure: their inputs
         for g in groups:
             key = group_key(g, measure)

@@ -15,6 +15,7 @@ from ..costs.cost_cache import CostCache
 from ..costs.problem_builder import reuse_candidates
 from ..costs.profiles import NodeCosts
 from ..costs.profiling import profile_nodes, real_placeholders
+from ..solvers.model import clock
 from .timing import OP_TIMING_SHARE, time_limit
 
 CostsOf = Callable[[fx.GraphModule, JointGraph], "NodeCosts | None"]  # a graph's op costs (None: the roofline's)
@@ -50,8 +51,9 @@ class MeasuredCosts:
         real = real_placeholders(gm, [ref() for ref in self.inputs])
         ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         limit = OP_TIMING_SHARE * time_limit(self.time_limit_s, ops)
-        costs = profile_nodes(gm, self.device, reuse_candidates(jg), real_inputs=real, time_limit_s=limit,
-                              time_ops=self.measure)
+        with clock.stage("op timing"):
+            costs = profile_nodes(gm, self.device, reuse_candidates(jg), real_inputs=real, time_limit_s=limit,
+                                  time_ops=self.measure)
         if key is not None and costs.scratch_measured:  # measured under another profiler: measure again next time
             self.cache.put(key, costs)
         return costs
@@ -70,7 +72,8 @@ def chunked_costs(costs_of: CostsOf, g: fx.GraphModule, jg: JointGraph, captured
     reuse = {k: v for k, v in reuse_candidates(jg).items() if k in {n.name for n in new}}
     by_name = {n.name: n for n in sub.graph.nodes}
     reuse = {k: by_name[v.name] for k, v in reuse.items() if not isinstance(v, list) and v.name in by_name}
-    measured = profile_nodes(sub, costs_of.device, reuse, repeat=2, time_ops=costs_of.measure)
+    with clock.stage("op timing"):
+        measured = profile_nodes(sub, costs_of.device, reuse, repeat=2, time_ops=costs_of.measure)
     return NodeCosts({**captured.times, **measured.times}, {**captured.workspace, **measured.workspace},
                      {**captured.reuse_ok, **measured.reuse_ok}, captured.scratch_measured and measured.scratch_measured,
                      held_bytes={**captured.held_bytes, **measured.held_bytes})

@@ -44,8 +44,9 @@ class PlanningTime:
     problem building took more than the rest, planning takes longer than the limit by that much (a plan found in
     no time is no plan; benchmarks/planning_time.py reports it).
 
-    `finish()` keeps what the planning took: wall seconds, clock seconds and the units of work it counted
-    (benchmarks/planning_time.py fits the clock's calibration on them), and apart from them what was charged
+    `finish()` keeps what the planning took: wall seconds, clock seconds, the units of work it counted
+    (benchmarks/planning_time.py fits the clock's calibration on them) and the wall seconds of each stage
+    (`clock.stage`: op timing, problem building, bound, simulation, CP-SAT, search, fusion compiles), and apart from them what was charged
     before it (`Charged`: counted in `spent`, so in the limit, not in the planning's own figures)."""
 
     def __init__(self) -> None:
@@ -56,14 +57,16 @@ class PlanningTime:
         self._search_start: float | None = None  # the first solve's start
         self._wall0 = 0.0
         self._units0: dict[str, float] = {}
+        self._stages0: dict[str, float] = {}
         self.charged: Charged | None = None
         self._charged_s = 0.0  # its seconds on the solvers' clock
-        self.taken: dict | None = None  # after finish(): {"wall_s", "clock_s", "units"} (+ "charged")
+        self.taken: dict | None = None  # after finish(): {"wall_s", "clock_s", "units", "stages"} (+ "charged")
 
     def start(self, charged: Charged | None = None) -> None:
         """Planning starts now (inside the solvers' deterministic block, where the clock counts work), with
         `charged` already spent."""
         self._start, self._wall0, self._units0 = clock.now(), time.perf_counter(), clock.units_counted()
+        self._stages0 = clock.stage_seconds()
         self.charged = charged
         if charged is not None:
             self._charged_s = (sum(calibration.seconds(u, n) for u, n in charged.units.items())
@@ -116,9 +119,11 @@ class PlanningTime:
                                         setup_s if default else 0.0)
 
     def finish(self) -> None:
-        units = clock.units_counted()
+        units, stages = clock.units_counted(), clock.stage_seconds()
         self.taken = {"wall_s": time.perf_counter() - self._wall0, "clock_s": self.spent - self._charged_s,
-                      "units": {k: v - self._units0.get(k, 0.0) for k, v in units.items() if v - self._units0.get(k, 0.0)}}
+                      "units": {k: v - self._units0.get(k, 0.0) for k, v in units.items() if v - self._units0.get(k, 0.0)},
+                      "stages": {k: v - self._stages0.get(k, 0.0) for k, v in stages.items()
+                                 if v - self._stages0.get(k, 0.0)}}
         if self.charged is not None:
             c = self.charged
             self.taken["charged"] = {"units": dict(c.units), "wall_s": c.wall_s, "clock_s": self._charged_s}

@@ -19,6 +19,7 @@ from ..passes.chunked_ce import CHUNK_COUNTS
 from ..passes.chunking import Chain, chunk, copy_graph, find_chains, why_no_chain
 from ..plans.plan import Plan
 from ..solvers import BudgetInfeasibleError, SimResult, default_schedule, simulate
+from ..solvers.model import clock
 from ..user_checkpoint import reference_peak
 from .errors import chunked_infeasible, mib, start_from_note
 from .floors import Floors
@@ -111,9 +112,10 @@ class Variants:
     def build(self, jg: JointGraph, name: str, costs: NodeCosts | None) -> Built:
         """The problem of `jg` (the program's graph or a chunked copy) named `name`, with op costs `costs`."""
         t = self.target
-        return build_problem(jg, t.profile, name=name, measured=costs, offload=t.offload,
-                             host_budget_bytes=t.host_budget_bytes, usage=self.usage, device=t.device,
-                             grads_at_start=self.solver.grads_at_start, resident=self.resident)
+        with clock.stage("problem building"):
+            return build_problem(jg, t.profile, name=name, measured=costs, offload=t.offload,
+                                 host_budget_bytes=t.host_budget_bytes, usage=self.usage, device=t.device,
+                                 grads_at_start=self.solver.grads_at_start, resident=self.resident)
 
     def plan_chunked(self, built: Built, costs: NodeCosts | None, chains: list[Chain],
                      captured: BudgetInfeasibleError | None = None) -> Planned:

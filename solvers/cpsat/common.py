@@ -83,6 +83,12 @@ def run_solver(
     absorbed) and the KeyboardInterrupt re-raised: no solve outlives the call. Off the main
     thread (where no KeyboardInterrupt arrives) the solve simply runs in the calling thread.
     """
+    with clock.stage("cp-sat"):
+        return _run_interruptibly(solver, model, callback)
+
+
+def _run_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel,
+                       callback: cp_model.CpSolverSolutionCallback | None) -> int:
     solver.parameters.catch_sigint_signal = False
     if threading.current_thread() is not threading.main_thread():
         status = solver.Solve(model, callback)

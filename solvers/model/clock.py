@@ -31,6 +31,9 @@ class _Work:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.units: Counter[str] = Counter()
+        self.stages: Counter[str] = Counter()  # wall seconds inside each `stage`, its inner stages' left out
+        self.open: list[str] = []  # the stages entered, innermost last
+        self.mark = 0.0  # when the innermost open stage last took over
 
 
 _work: contextvars.ContextVar[_Work | None] = contextvars.ContextVar("optsched_solver_work", default=None)
@@ -75,6 +78,46 @@ def units_counted() -> dict[str, float]:
     """The units counted so far in this deterministic block (empty outside one): what the calibration fits."""
     work = _work.get()
     return {} if work is None else dict(work.units)
+
+
+class stage:
+    """`with stage(name):` the wall seconds inside, less those of stages opened inside it, are `name`'s
+    (`stage_seconds`): where a planning's wall time went, beside the units the clock counted for it
+    (benchmarks/planning_time.py shows both; wall seconds no stage holds are the planner's own). Timed in
+    deterministic mode only; nothing is done outside it."""
+
+    __slots__ = ("name", "work")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.work = work = _work.get()
+        if work is not None:
+            t = time.perf_counter()
+            if work.open:
+                work.stages[work.open[-1]] += t - work.mark
+            work.open.append(self.name)
+            work.mark = t
+
+    def __exit__(self, *exc) -> None:
+        work = self.work
+        if work is not None and work.open:
+            t = time.perf_counter()
+            work.stages[work.open.pop()] += t - work.mark
+            work.mark = t
+
+
+def stage_seconds() -> dict[str, float]:
+    """Wall seconds spent so far in each stage of this deterministic block (empty outside one), the stages still
+    open counted to now."""
+    work = _work.get()
+    if work is None:
+        return {}
+    out = dict(work.stages)
+    if work.open:
+        out[work.open[-1]] = out.get(work.open[-1], 0.0) + time.perf_counter() - work.mark
+    return out
 
 
 @contextlib.contextmanager

@@ -83,6 +83,11 @@ def _check_orders(problem: Problem, schedule: Schedule) -> None:
 
 def simulate(problem: Problem, schedule: Schedule) -> SimResult:
     """Validate `schedule` against `problem` and return its memory timeline, peak and time."""
+    with clock.stage("simulation"):
+        return _simulated(problem, schedule)
+
+
+def _simulated(problem: Problem, schedule: Schedule) -> SimResult:
     _check_orders(problem, schedule)
     steps = schedule_steps(problem, schedule)
     clock.count("simulated_step", len(steps))

@@ -125,7 +125,8 @@ def solve(
     CP-SAT races `workers` against the wall clock (plans may differ between runs and with the machine's load).
     This is `optsched.solvers.solve`.
     """
-    with clock.deterministic(deterministic), _caller_heap_frozen(), collecting_rejections() as rejected:
+    with clock.deterministic(deterministic), clock.stage("search"), _caller_heap_frozen(), \
+            collecting_rejections() as rejected:
         sol = _solve(problem, budget_bytes, time_limit_s, workers, progress, hint)
     sol.stats.notes += rejected.notes()  # the candidates the search dropped on an error, counted per kind
     return sol

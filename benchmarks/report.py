@@ -915,10 +915,26 @@ def scaling_llama_table(d: dict) -> str:
                           f"(least squares over {', '.join(map(str, lin['layers']))} layers); seconds per layer grow "
                           f"{lin['s_per_layer_growth']:.2f}x from {lin['layers'][0]} to {lin['layers'][-1]} layers: "
                           + ("roughly linear." if lin["roughly_linear"] else "not linear.")]
+        if any(r.get("stages") for r in run["rows"]):
+            lines += ["", _per_op_stages(run["rows"])]
         if run.get("notes"):
             lines += ["", *(f"- {n}" for n in run["notes"])]
         out.append("\n".join(lines))
     return "\n\n".join(out)
+
+
+def _per_op_stages(rows: list[dict]) -> str:
+    """Microseconds per op of capture and of each planning stage (optsched's `clock.stage`), by depth: what grows
+    faster than the graph shows as a column that grows down the table."""
+    stages = ("problem building", "bound", "simulation", "cp-sat", "search", "rest")
+    lines = ["Microseconds per op of capture and of each planning stage (`clock.stage`; search = the portfolio's own "
+             "work; rest = planning in no stage):", "",
+             "| layers | budget | ops | capture | " + " | ".join(stages) + " |", "|---|---|---|---|" + "---|" * len(stages)]
+    for r in sorted((r for r in rows if r.get("stages") and r.get("n_ops")), key=lambda r: (-r["fraction"], r["layers"])):
+        per_op = [1e6 * s / r["n_ops"] for s in [r["capture_s"] or 0.0, *(r["stages"].get(k, 0.0) for k in stages)]]
+        lines.append(f"| {r['layers']} | {r['fraction']:.0%} | {r['n_ops']} | " + " | ".join(f"{v:.0f}" for v in per_op)
+                     + " |")
+    return "\n".join(lines)
 
 
 def chunking_table(d: dict) -> str:

@@ -51,6 +51,7 @@ def plan_child(layers: int, fraction: float, batch: int, seq: int, time_limit_s:
 
     import optsched
     from benchmarks.models import llama
+    from benchmarks.planning_time import PlanningAccounts
     from optsched.compiler.offline import plan_offline
 
     cfg = llama.Config(**MODEL, n_layer=layers)
@@ -58,8 +59,9 @@ def plan_child(layers: int, fraction: float, batch: int, seq: int, time_limit_s:
     row: dict = {"layers": layers, "fraction": fraction, "torch": torch.__version__}
     t0 = time.perf_counter()
     try:
-        plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, batch, seq), f"{fraction:.0%}",
-                            device_profile="h100", time_limit_s=time_limit_s, timings=timings)
+        with PlanningAccounts() as accounts:
+            plan = plan_offline(lambda: llama.LLaMA(cfg), lambda: llama.make_batch(cfg, batch, seq), f"{fraction:.0%}",
+                                device_profile="h100", time_limit_s=time_limit_s, timings=timings)
     except optsched.BudgetInfeasibleError as e:
         row.update(infeasible=True, budget_bytes=e.budget_bytes, lowest_peak_bytes=e.lowest_peak_bytes,
                    lower_bound_bytes=e.lower_bound_bytes, unplanned_peak_bytes=round(e.budget_bytes / fraction))
@@ -69,7 +71,19 @@ def plan_child(layers: int, fraction: float, batch: int, seq: int, time_limit_s:
                                       "predicted_peak_bytes", "unplanned_peak_bytes", "lower_bound_bytes", "time_ratio",
                                       "n_recomputed", "n_offloaded", "offloaded_bytes", "solve_time_s")})
     row.update(capture_s=timings.get("capture_s"), plan_s=timings.get("plan_s"), wall_s=time.perf_counter() - t0)
+    row["stages"] = stage_seconds(accounts.programs())
     return row
+
+
+def stage_seconds(programs: list[dict]) -> dict[str, float]:
+    """The wall seconds of each planning stage (optsched's `clock.stage`) over `programs` (PlanningAccounts'), and
+    "rest": their wall seconds in no stage."""
+    out: dict[str, float] = {}
+    for p in programs:
+        for k, v in p.get("stages", {}).items():
+            out[k] = out.get(k, 0.0) + v
+    out["rest"] = sum(p["wall_s"] for p in programs) - sum(out.values())
+    return out
 
 
 def run_one(layers: int, fraction: float, args) -> dict:

@@ -46,8 +46,9 @@ class PlanningTime:
 
     `finish()` keeps what the planning took: wall seconds, clock seconds, the units of work it counted
     (benchmarks/planning_time.py fits the clock's calibration on them) and the wall seconds of each stage
-    (`clock.stage`: op timing, problem building, bound, simulation, CP-SAT, search, fusion compiles), and apart from them what was charged
-    before it (`Charged`: counted in `spent`, so in the limit, not in the planning's own figures)."""
+    (`clock.stage`: op timing, problem building, bound, simulation, CP-SAT, search, fusion compiles), and apart
+    from them what was charged before it (`Charged`: counted in `spent`, so in the limit, not in the planning's
+    own figures)."""
 
     def __init__(self) -> None:
         self.limit: float | None = None  # as asked or by default (time_limit)

@@ -79,11 +79,11 @@ REST = None  # a weight: the move reserves nothing, and gets all the time left w
 TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the order they run
     (moves.HINT, 0.0),  # the caller's plan, offered first (no search time)
     (moves.FORWARD_ORDER, 1.0),  # forward-only programs: the order is the whole decision
-    (moves.EARLY_SEGMENTS, 2.0),  # tight budgets, small graphs: the segment search from the program first. Cut
-    # short, its plan is worse than the interval model's and its time lost: the bundled GPT (batch 8) at 40% on ten
-    # processes' measured costs, at 5 s: weight 0.45 fit in 6 of 7 recompute-only (36.33-36.37 MiB) and 0 of 3 with
-    # offloading allowed (37.19-37.20 MiB lowest); 2.0 fits all 10 at 36.28 MiB; the same plans elsewhere (20 zoo
-    # problems at 40% and 60%, the GPT at 45% and 48% within 1.4% of the step time, batch 16 at 40%)
+    (moves.EARLY_SEGMENTS, 0.45),  # tight budgets, small graphs: the segment search from the program first. Tried at
+    # 2.0 (d4495d6): cut short, its plan is worse than the interval model's, and at 5 s passed to solve() the bundled
+    # GPT at 40% fitted on 10 of 10 processes' costs (6 of 10 at 0.45); but at the limit optimize() passes (3.7-4.4 s
+    # after op timing) the GPT fitted as often (3 of 4), and OPT's lowest feasible went from 13.41 to 14.05 MiB (the
+    # interval model's plan, refined by the improvers, is OPT's way down; they lost their time): reverted
     (moves.INTERVAL_MODEL, 0.15),  # small training graphs: save/recompute per fixed order
     (moves.RELAXATION, 0.35),  # large training graphs: relaxation + repair
     (moves.RELAXATION_OFFLOADS, 1.0),  # large graphs that may offload: the relaxation deciding offloads too (80 Llama-7B

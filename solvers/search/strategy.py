@@ -101,9 +101,9 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.CERTIFY, 0.10),  # the bound and status of the plan returned
 )
 MIN_ROUND_GAIN = 0.001  # a round of improvers that gains less than this share of the step time ends the rounds
-# aimed searches: the improvers from the lowest plan (the hint); the starts, which ignore it, ran once (7 problems
-# nothing fitted at 5 s, aiming lower took the ViT from 6.06 to 5.93-5.95 MiB: the same lowest peaks as the whole
-# table gave, and the same plans on the 21 that fit)
+# aimed searches: the improvers from the lowest plan (the hint); the starts, which ignore it, ran once (13 problems
+# nothing fitted at 3.7-5 s, among them the ViT that aiming lower takes from 6.06 to 5.93-5.95 MiB at 5 s: the same
+# lowest peaks as the whole table gave, and the same plans on 21 that fit)
 _AIMED_TABLE = tuple((m, w) for m, w in TIME_TABLE if m is moves.HINT or m.improver)
 TIME_LIMIT_USED = 0.95  # a search that used this much of its limit was ended by it
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from . import clock
 from .fusion_sim import formed_runs, hidden_bytes, merge_runs, step_workspace
@@ -124,7 +125,7 @@ def _simulated(problem: Problem, schedule: Schedule) -> SimResult:
         timeline=timeline,
         steps=steps,
         n_forward_steps=n_fw,
-        lifetimes=sorted(lifetimes, key=lambda lt: (lt.start, lt.tensor)),
+        lifetimes=sorted(lifetimes, key=attrgetter("start", "tensor")),
         saved=saved,
         recomputed_ops=sorted(walk.recompute_pos),
         reused=reused,
@@ -197,18 +198,21 @@ def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int,
     recomputed later (`recomputed`: every op the backward recomputes) may not be read before it: the lowered
     backward has no other copy of it (lower/programs.py refuses the plan)."""
     op = problem.ops[o]
+    tensors, span, done, backward = problem.tensors, walk.span, walk.recompute_pos, k >= n_fw
     reads = []
-    for t in op.inputs:
-        producer = problem.tensors[t].producer
-        if k >= n_fw and producer in recomputed and producer not in walk.recompute_pos:
-            raise ScheduleError(f"backward step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before its "
+    for t in op.inputs:  # the simulator's innermost loop (every step's every input): names bound once above
+        producer = tensors[t].producer
+        if backward and producer in recomputed and producer not in done:
+            raise ScheduleError(f"backward step {k} ({op.name!r}) reads {tensors[t].name!r} before its "
                                 "recomputation")
-        key = (t, k >= n_fw and producer in walk.recompute_pos)
+        key = (t, backward and producer in done)
         reads.append(key)
-        if key not in walk.span or walk.span[key][0] > k:
-            where = "backward" if k >= n_fw else "forward"
-            raise ScheduleError(f"{where} step {k} ({op.name!r}) reads {problem.tensors[t].name!r} before it exists")
-        walk.span[key][1] = max(walk.span[key][1], k)
+        copy = span.get(key)
+        if copy is None or copy[0] > k:
+            where = "backward" if backward else "forward"
+            raise ScheduleError(f"{where} step {k} ({op.name!r}) reads {tensors[t].name!r} before it exists")
+        if copy[1] < k:
+            copy[1] = k
     return reads
 
 

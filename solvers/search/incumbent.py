@@ -77,6 +77,7 @@ class Incumbent:
         self.problem, self.budget = problem, budget
         self.best: Candidate | None = None  # fits the budget
         self.lowest: Candidate | None = None  # lowest peak, fits or not
+        self.lowest_plain: Candidate | None = None  # lowest peak among plans that offload nothing
         self._near: Candidate | None = None  # the fastest plan just over the budget (NEAR)
 
     @property
@@ -102,6 +103,8 @@ class Incumbent:
         cand = Candidate(schedule, sim, stats)
         if fits(sim, self.budget) and (better(sim, self.best and self.best.sim, self.budget) or self._wins_tie(cand)):
             self.best = cand
+        if not schedule.offload and better(sim, self.lowest_plain and self.lowest_plain.sim, NOTHING_FITS):
+            self.lowest_plain = cand
         if better(sim, self.lowest and self.lowest.sim, NOTHING_FITS):
             self.lowest = cand
             if not fits(sim, self.budget):

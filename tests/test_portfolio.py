@@ -5,6 +5,7 @@ same work is counted on a loaded machine as on an idle one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -331,3 +332,37 @@ def test_below_the_proven_bound_the_error_is_no_time_limit_even_when_aiming_lowe
         solve(p, budget, time_limit_s=1.5, deterministic=True)
     assert type(e.value) is strategy.BudgetInfeasibleError and e.value.proven
     assert "none can" in str(e.value)
+
+
+def test_offloading_allowed_and_nothing_fitting_the_segment_search_starts_from_the_lowest_plan_without_offloads(
+        monkeypatch):
+    """As where offloading is not allowed: the offload ladder's lower plan was a worse start for the segment search (the
+    bundled GPT at 40% fitted recompute-only and not with offloading allowed). Once a plan fits, it starts from it."""
+    from optsched.solvers.progress import ProgressLine
+    from optsched.solvers.search.offload import offload_towards
+
+    p = chain_training_problem(n_layers=8, seed=0, host_bw=5e9)
+    plain = default_schedule(p)
+    base = simulate(p, plain)
+    offloaded, osim = offload_towards(p, plain, int(0.8 * base.peak_bytes))
+    assert offloaded.offload and osim.peak_bytes < base.peak_bytes
+    budget = lower_bound_peak(p)  # out of reach
+    inc = Incumbent(p, budget)
+    inc.offer(plain, "plain")
+    inc.offer(offloaded, "offloaded")
+    assert inc.lowest.schedule is offloaded and inc.lowest_plain.schedule is plain
+    started = []
+
+    def recorded(problem, schedule, budget, *, deadline, workers, offload=False):
+        started.append((schedule, offload))
+        return schedule, False
+
+    monkeypatch.setattr(moves, "improve_by_segments", recorded)
+    ctx = moves.Context(p, budget, 1, ProgressLine("test", enabled=False), base)
+    assert ctx.offload
+    moves.segment_search(ctx, inc, clock.now() + 1.0)
+    assert started == [(plain, False)]
+    roomy = Incumbent(p, base.peak_bytes)  # a plan fits: the search starts from it, offloads decided
+    roomy.offer(plain, "plain")
+    moves.segment_search(dataclasses.replace(ctx, budget=base.peak_bytes), roomy, clock.now() + 1.0)
+    assert started[-1] == (plain, True)

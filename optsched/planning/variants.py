@@ -111,9 +111,8 @@ class Variants:
 
     def build(self, jg: JointGraph, name: str, costs: NodeCosts | None) -> Built:
         """The problem of `jg` (the program's graph or a chunked copy) named `name`, with op costs `costs`."""
-        t = self.target
         with clock.stage("problem building"):
-            return build_problem(jg, t.profile, name=name, measured=costs, offload=t.offload,
+            return build_problem(jg, (t := self.target).profile, name=name, measured=costs, offload=t.offload,
                                  host_budget_bytes=t.host_budget_bytes, usage=self.usage, device=t.device,
                                  grads_at_start=self.solver.grads_at_start, resident=self.resident)
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.meta import commit_line, describe
+from benchmarks.scaling_llama import stage_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -718,12 +719,10 @@ def _stages_table(d: dict) -> str:
     for case in d["cases"]:
         for r in case["rows"] + case["longer"]:
             progs = r.get("programs", [])
-            stages = {k: sum(p.get("stages", {}).get(k, 0.0) for p in progs) for k in STAGES}
-            wall = sum(p["wall_s"] for p in progs)
-            rest = wall - sum(sum(p.get("stages", {}).values()) for p in progs)
-            lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {wall:.2f} | "
-                         + " | ".join(f"{stages[k]:.2f}" for k in STAGES)
-                         + f" | {rest:.2f} | {sum(p['clock_s'] for p in progs):.2f} |")
+            stages = stage_seconds(progs)
+            lines.append(f"| {case['case']} | {r['budget']} | {r['time_limit_s']:g} | {sum(p['wall_s'] for p in progs):.2f} | "
+                         + " | ".join(f"{stages.get(k, 0.0):.2f}" for k in STAGES)
+                         + f" | {stages['rest']:.2f} | {sum(p['clock_s'] for p in progs):.2f} |")
     return "\n".join(lines)
 
 

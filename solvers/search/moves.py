@@ -171,17 +171,13 @@ def segment_search(ctx: Context, inc: Incumbent, deadline: float) -> None:
     40%, six processes' costs: recompute-only fitted on three, with offloading allowed on none (37.19-37.22 MiB)."""
     if inc.start is None:
         return
-    plain = inc.lowest_plain
-    if ctx.offload and not inc.found and plain is not None and plain is not inc.lowest:
-        found, cut = improve_by_segments(ctx.problem, plain.schedule, ctx.budget, deadline=deadline,
-                                         workers=ctx.workers)
-        ctx.cut = ctx.cut or cut
-        inc.offer(found, "segment search (order and save/recompute per block)")
-        return
-    found, cut = improve_by_segments(ctx.problem, inc.start.schedule, ctx.budget, deadline=deadline,
-                                     workers=ctx.workers, offload=ctx.offload)
+    start, offload, plain = inc.start, ctx.offload, inc.lowest_plain
+    if offload and not inc.found and plain is not None and plain is not inc.lowest:
+        start, offload = plain, False
+    found, cut = improve_by_segments(ctx.problem, start.schedule, ctx.budget, deadline=deadline,
+                                     workers=ctx.workers, offload=offload)
     ctx.cut = ctx.cut or cut
-    inc.offer(found, "segment search (order, save/recompute and offload per block)" if ctx.offload
+    inc.offer(found, "segment search (order, save/recompute and offload per block)" if offload
               else "segment search (order and save/recompute per block)")
 
 

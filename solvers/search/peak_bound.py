@@ -54,6 +54,10 @@ copy one step before the reading step only when that step is its last reader). T
   bounds (each point's bound with its values counted). Values the host may hold make no claim. Tried at the
   CHAIN_POINTS backward ops with the highest bounds, against the CHAIN_BEFORE highest ops before each.
 
+* **Regions** (`region_bound.py`): a few recomputable forward ops near a backward op, the backward ops that read
+  them and their readers, every order and save/recompute choice of the region searched exactly (its docstring
+  says why that is a bound).
+
 The cuts are exact minimum cuts (a small Dinic max-flow); the backward ops are visited in the order of
 an upper bound of theirs, so most need no flow at all; once the networks built reach `WORK_BUDGET` edges
 the remaining ops keep their constant part (still a valid bound, and deterministic: no clock is read); the
@@ -71,6 +75,7 @@ import numpy as np
 from ..model import clock
 from ..model.fusion_sim import internal_tensors
 from ..model.problem import Phase, Problem, TensorKind
+from .region_bound import region_bounds
 
 WORK_BUDGET = 200_000  # edges of the cut networks built per problem (then the rest keep their constant part)
 CHAIN_WORK = 100_000  # edges of the cut networks the save/recompute choices below may build on top
@@ -94,6 +99,7 @@ def step_bound(problem: Problem, *, charge: bool = False) -> int:
         clock.count("bound_scan", b.scanned)
         clock.count("bound_edge", b.work)
         clock.count("bound_flow", b.flow_steps)
+        clock.count("bound_state", b.region_states)
     return value
 
 
@@ -131,6 +137,7 @@ class _Bound:
         self.visible = p.visible  # a property that builds a set: read once
         self.scanned, self.work = 0, 0  # tensors the per-op passes looked at, edges of the cut networks built
         self.flow_steps = 0  # edges the max flows scanned and advanced past (their work: phases x edges)
+        self.region_states = 0  # states the region searches expanded (region_bound.py)
         self.held_tangents = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.TANGENT)
         self.fw_outputs = {t for t in p.outputs if self.fw_made[t]}
         self.offloadable = [
@@ -197,8 +204,9 @@ class _Bound:
         if not p.ops:
             return 0
         best, where = self._caller(), "while the caller computes its loss"
+        self.fw_values = {}
         for op in p.fw_ops:
-            v = self._forward(op)
+            v = self.fw_values[op.id] = self._forward(op)
             if v > best:
                 best, where = v, f"at {op.name}"
         bw = p.bw_ops
@@ -227,6 +235,9 @@ class _Bound:
             v = self._chained(p.ops[b], consts, upper, found, best)
             if v > best:
                 best, where = v, f"at {p.ops[b].name}"
+        v, at = region_bounds(self, consts, upper, found, best)
+        if v > best:
+            best, where = v, at
         self.where = where
         return best
 
@@ -242,15 +253,18 @@ class _Bound:
                  and any(p.ops[r].phase is Phase.BW for r in self.readers[t])}
         return self.inputs + sum(self.size[t] for t in held if p.tensors[t].kind is not TensorKind.INPUT)
 
-    def _forward(self, f) -> int:
+    def _forward(self, f, also: frozenset = frozenset()) -> int:
         """The values made by ancestors of `f` that stay live across it (see the module docstring), in arrays:
         the same test as one Python loop over the tensors per op, which took most of the bound's time at
-        thousands of ops (each bit test shifts a bitset as long as the program)."""
+        thousands of ops (each bit test shifts a bitset as long as the program). `also`: forward values the plan
+        saves for the backward (live from their producer to the forward's end)."""
         v, own = self._operands(f, self.input_ids)
         self.scanned += len(self.p.tensors)
         fa = self._forward_arrays
         hit = fa.always.copy()
         hit[fa.reader_of[self._bits(self.desc[f.id])[fa.readers]]] = True
+        if also:
+            hit[fa.position[list(also)]] = True
         live = hit & self._bits(self.anc[f.id])[fa.producer]
         mine = fa.position[list(own)] if own else fa.position[:0]
         live[mine[mine >= 0]] = False

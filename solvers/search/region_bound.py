@@ -4,7 +4,8 @@ Why: `peak_bound`'s families look at one backward op at a time (and the chained 
 A region such as a transformer MLP's backward needs several forward values live together somewhere: its gate,
 up projection, activation and product, each made once (saved, or recomputed once) and read by several backward
 ops in an order the plan chooses. No single op shows that; the region's orders do. On a Llama at a tight budget
-the point bounds said 11.2 MiB where every plan found needed 15.7 (the MLP's four 2 MiB values live at once).
+the point bounds said 11.2 MiB where every plan found needed 15.7 (the MLP's four 2 MiB values live at once);
+the regions say 14.45.
 
 The argument, per region (`_Region`: recomputable forward ops `producers` near a seed backward op, the backward
 ops `ops` that read their outputs, and the values `counted` below). Take any plan the simulator accepts; it
@@ -23,14 +24,24 @@ read). At each such step these are live in that plan:
 A counted value's copy spans a step when it exists before the step and a region step after it reads it: a
 producer's output exists from the backward's start when saved (its forward copy) and from its recomputation
 otherwise; a backward value made by a region op exists from that op; any other value the region reads at two
-steps or more (one copy serves every backward read) exists from its first region read. Reads by steps outside
-the region are not counted (a lower bound needs only what is certain).
+steps or more (one copy serves every backward read) exists from its first region read. A read outside the
+region counts where it is certain to come later: at the region ops that are its reader's ancestors.
 
 So each plan gives one S and one order whose largest step is at most the plan's peak; the least over every S
-and order of that largest step is a lower bound. It is found per S by a minimax search over the sets of steps
+and order of that largest step is a lower bound. Each S also weighs its saved values outside the region (the
+larger of the two is kept per S): a saved value's forward copy is live at every forward op after its producer
+and every backward op that runs before one of its readers, so it is added to the forward bound at a few forward
+ops (`_forward` with it live) and to the point bound at a few backward ops before the region (their cuts with
+every producer's output left out, the sum still a lower bound); and held in a chain of other regions that run
+before its readers, where it is live at each step that runs before a reader: the least over those regions' own
+subsets, with their saved values held in the next region in turn (`_least_holding`). A value another region
+holds is left out of that region's counted values and cuts, so nothing is counted twice.
+
+The least over the orders is found per S by a minimax search over the sets of steps
 done (each state the same whatever order led to it: what is live depends only on what ran), best-first, so only
 states below the answer are expanded. Limits (deterministic, no clock): REGION_PRODUCERS recomputable producers
-(2**n subsets), REGION_STEPS steps, REGION_STATES states per search, REGION_WORK states per problem.
+(2**n subsets), REGION_STEPS steps, REGION_STATES states per search, REGION_WORK states and REGION_EDGES cut edges
+per problem; a search cut short makes no claim.
 """
 
 from __future__ import annotations
@@ -44,11 +55,12 @@ REGION_DEPTH = 3  # how far back from the seed's forward operands producers are 
 REGION_PRODUCERS = 6  # recomputable producers modeled per region (the nearest): 2**6 save/recompute subsets
 REGION_STEPS = 20  # backward ops plus recomputations per region (beyond: the region is not bounded)
 REGION_STATES = 20_000  # states one search may expand (beyond: no claim from that region)
-REGION_WORK = 300_000  # states all regions of a problem may expand
+REGION_WORK = 60_000  # states all regions of a problem may expand (about 1 s)
 REGION_SEEDS = 8  # regions tried per problem, the most promising first
 REGION_BEFORE = 3  # backward ops before the region (the highest upper bounds) where saved values are counted
 REGION_EDGES = 300_000  # edges of the cut networks the regions may build
-REGION_CROSSED = 2  # regions searched again with their saved values counted in (this many) regions before them
+REGION_CROSSED = 2  # the strongest regions searched again with a chain of regions before them ...
+REGION_CHAIN = 3  # ... this long (each region's saved values held in the next ones)
 
 
 @dataclass
@@ -86,9 +98,9 @@ def region_bounds(b, consts: dict, upper: dict, found: dict, best: int) -> tuple
         if v > best:
             best, where = v, f"over the backward of {p.ops[region.seed].name}'s region"
     searches.sort(key=lambda vs: -vs[0])
-    for v, a in searches[:REGION_CROSSED]:  # the strongest regions again, their saved values counted in others
-        others = [s for _v, s in searches if s is not a and any(b.anc[r] >> o & 1 for o in s.r.ops for r in a.readers)]
-        v = a.least(best, others[:REGION_CROSSED]) if others else 0
+    for v, a in searches[:REGION_CROSSED]:  # the strongest regions again, their saved values held in those before
+        others = [s for _v, s in searches if s is not a]
+        v = a.least(best, others) if others else 0
         if v > best:
             best, where = v, f"over the backward of {p.ops[a.r.seed].name}'s region and those before it"
     return best, where
@@ -150,7 +162,7 @@ class _Search:
 
     def __init__(self, b, region: _Region, consts: dict, upper: dict, found: dict, exclude: frozenset = frozenset()):
         """`exclude`: values another region counts, left out of the cuts here too."""
-        self.b, self.r, self.consts, self.upper, self.found = b, region, consts, upper, found
+        self.b, self.r, self.consts, self.upper, self.found, self.exclude = b, region, consts, upper, found, exclude
         p = b.p
         counted = set(region.counted) | exclude
         self.cut = {}
@@ -197,52 +209,53 @@ class _Search:
         return least or 0
 
     def _least_crossed(self, best: int, others: list[_Search]) -> int:
-        alone = []
-        for recomputed in self.subsets:
-            v = self._search(recomputed, None)
-            if v is None:
-                return 0
-            alone.append((max(v, self._saved_before(recomputed)), recomputed))
-        alone.sort(key=lambda vr: vr[0])
-        crossed = [_Search(self.b, o.r, self.consts, self.upper, self.found, exclude=self.claimed) for o in others]
-        least = _UNSET
-        for v, recomputed in alone:
-            if v >= least:
+        """`least` with a chain of regions before this one (each the strongest of `others` running before a
+        reader of the previous one's producers): a subset's saved values held in the next region, whose own
+        saved values join them in the one after."""
+        chain, prev, claimed = [], self, self.claimed
+        while len(chain) < REGION_CHAIN:
+            before = [o for o in others if not o.claimed & claimed
+                      and any(self.b.anc[r] >> q & 1 for q in o.r.ops for r in prev.readers)]
+            if not before:
                 break
-            saved = self.claimed - {t for q in recomputed for t in self.b.p.ops[q].outputs}
-            for other in crossed:
-                held = saved - other.claimed - set(other.r.counted)
-                if held:
-                    v = max(v, other._least_holding(held, v, least))
-            least = min(least, v)
-            if least <= best:
-                break
-        return 0 if least is _UNSET else least
+            nxt = max(before, key=lambda o: sum(self.b.size[t] for t in o.claimed))  # the most it could save
+            chain.append(_Search(self.b, nxt.r, self.consts, self.upper, self.found, exclude=claimed))
+            prev, claimed = nxt, claimed | nxt.claimed
+            others = [o for o in others if o is not nxt]
+        least = self._least_holding(frozenset(), best, _UNSET, chain)
+        return 0 if least >= _UNSET else least
 
-    def _least_holding(self, held: frozenset, enough: int, stop: int) -> int:
-        """The least over this region's subsets with `held` (another region's saved values) live wherever a
-        reader of theirs runs later: `enough` or less once one subset gets there, `stop` or more when none
-        gets below it (0: no claim)."""
+    def _least_holding(self, held: frozenset, enough: int, stop: int, chain: list[_Search] = ()) -> int:
+        """The least over this region's subsets with `held` (earlier regions' saved values) live wherever a
+        reader of theirs runs later, and `chain`'s regions holding these and this subset's saved values:
+        `enough` or less once one subset gets there, `stop` or more when none gets below it (0: no claim)."""
         least = stop
         for recomputed in self.subsets:
-            v = self._saved_before(recomputed)
+            v = self._saved_before(recomputed, held)
             if v >= least:
                 continue
             found = self._search(recomputed, least, held)
             if found is None:
                 return 0
-            least = min(least, max(v, found))
+            v = max(v, found)
+            if chain and v < least:
+                nxt = chain[0]
+                saved = self.claimed - {t for q in recomputed for t in self.b.p.ops[q].outputs}
+                more = (held | saved) - nxt.claimed - set(nxt.r.counted)
+                if more:
+                    v = max(v, nxt._least_holding(more, v, least, chain[1:]))
+            least = min(least, v)
             if least <= enough:
                 break
         return least
 
-    def _saved_before(self, recomputed: list[int]) -> int:
-        """The largest bound at the ops before the region with the saved producers' outputs live there (a saved
-        value's forward copy lasts from its producer to its backward reads: live at every forward op after the
-        producer and every backward op that runs before a reader)."""
+    def _saved_before(self, recomputed: list[int], held: frozenset = frozenset()) -> int:
+        """The largest bound at the ops before the region with the saved producers' outputs (and `held`, earlier
+        regions' saved values) live there: a saved value's forward copy lasts from its producer to its backward
+        reads, live at every forward op after the producer and every backward op that runs before a reader."""
         b, p = self.b, self.b.p
-        saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if _claimable(b, t)
-                 and any(p.ops[r].phase is Phase.BW for r in b.readers[t])]
+        saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if _claimable(b, t)]
+        saved = [t for t in (*saved, *held) if any(p.ops[r].phase is Phase.BW for r in b.readers[t])]
         most = 0
         for f in self.fw_points:
             live = frozenset(t for t in saved if b.anc[f] >> p.tensors[t].producer & 1)
@@ -258,11 +271,11 @@ class _Search:
         return most
 
     def _before_base(self, q: int) -> int:
-        """The point bound at `q` with every producer's output left out of its cut (counted on top when saved:
-        a cut with more values left out is no larger, so the sum stays a lower bound)."""
+        """The point bound at `q` with every producer's output (and earlier regions') left out of its cut, counted
+        on top when saved: a cut with more values left out is no larger, so the sum stays a lower bound."""
         if q not in self.forced:
             const, skip = self.consts[q]
-            self.forced[q] = const + self.b._cut(self.b.p.ops[q], skip | self.claimed)
+            self.forced[q] = const + self.b._cut(self.b.p.ops[q], skip | self.claimed | self.exclude)
         return self.forced[q]
 
     def _search(self, recomputed: list[int], stop: int | None, held: frozenset = frozenset()) -> int | None:

@@ -241,14 +241,15 @@ class _Bound:
         self.where = where
         return best
 
-    def _caller(self) -> int:
+    def _caller(self, also: frozenset = frozenset()) -> int:
+        """`also`: forward values the plan saves for the backward (their copies cross the caller's loss)."""
         p = self.p
         caller = [t.id for t in p.tensors if t.kind is TensorKind.CALLER]
         if not caller or not p.has_backward:
             return 0
         reused_in_bw = {i for op in p.bw_ops for _o, i in op.reuse}
         held = set(caller) | {t.id for t in p.tensors if t.kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED)}
-        held |= self.fw_outputs
+        held |= self.fw_outputs | also
         held |= {t for t in range(len(p.tensors)) if self._pinned(t) and t not in reused_in_bw
                  and any(p.ops[r].phase is Phase.BW for r in self.readers[t])}
         return self.inputs + sum(self.size[t] for t in held if p.tensors[t].kind is not TensorKind.INPUT)

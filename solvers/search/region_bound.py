@@ -29,10 +29,11 @@ region counts where it is certain to come later: at the region ops that are its 
 
 So each plan gives one S and one order whose largest step is at most the plan's peak; the least over every S
 and order of that largest step is a lower bound. Each S also weighs its saved values outside the region (the
-larger of the two is kept per S): a saved value's forward copy is live at every forward op after its producer
-and every backward op that runs before one of its readers, so it is added to the forward bound at a few forward
-ops (`_forward` with it live) and to the point bound at a few backward ops before the region (their cuts with
-every producer's output left out, the sum still a lower bound); and held in a chain of other regions that run
+larger of the two is kept per S): a saved value's forward copy is live at every forward op after its producer,
+while the caller computes its loss and at every backward op that runs before one of its readers, so it is added to
+the forward bound at a few forward ops (`_forward` with it live), to the caller's (`_caller`) and to the point
+bound at a few backward ops before the region (their cuts with every producer's output left out, the sum still a
+lower bound); and held in a chain of other regions that run
 before its readers, where it is live at each step that runs before a reader: the least over those regions' own
 subsets, with their saved values held in the next region in turn (`_least_holding`). A value another region
 holds is left out of that region's counted values and cuts, so nothing is counted twice.
@@ -252,11 +253,17 @@ class _Search:
     def _saved_before(self, recomputed: list[int], held: frozenset = frozenset()) -> int:
         """The largest bound at the ops before the region with the saved producers' outputs (and `held`, earlier
         regions' saved values) live there: a saved value's forward copy lasts from its producer to its backward
-        reads, live at every forward op after the producer and every backward op that runs before a reader."""
+        reads, live at every forward op after the producer, while the caller computes its loss, and at every
+        backward op that runs before a reader."""
         b, p = self.b, self.b.p
         saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if _claimable(b, t)]
         saved = [t for t in (*saved, *held) if any(p.ops[r].phase is Phase.BW for r in b.readers[t])]
         most = 0
+        if saved and self.b.p.has_backward:  # the caller's loss, between the forward and the backward
+            key = ("caller", frozenset(saved))
+            if key not in self.forced:
+                self.forced[key] = b._caller(key[1])
+            most = self.forced[key]
         for f in self.fw_points:
             live = frozenset(t for t in saved if b.anc[f] >> p.tensors[t].producer & 1)
             if live:

@@ -52,7 +52,7 @@ def test_the_peak_bound_charges_its_max_flow_work():
     problem = chain_training_problem(12)
     with clock.deterministic(True):
         t0 = clock.now()
-        lower_bound_peak(problem, charge=True)
+        lower_bound_peak(problem)
         units, spent = clock.units_counted(), clock.now() - t0
     assert units["bound_flow"] >= units["bound_edge"] > 0
     assert calibration.UNITS["bound_flow"].seconds > 0 and spent >= calibration.seconds("bound_flow", units["bound_flow"])

@@ -74,6 +74,20 @@ def test_stronger_than_simple_bound_on_a_layer_chain():
     assert lower_bound_peak(problem) <= simulate(problem, greedy_recompute(problem, 0)).peak_bytes
 
 
+def test_kept_on_the_problem_and_counted_once():
+    """The same problem's bound is asked for several times in one planning (the budget's resolution, held outputs,
+    the solve): computed once, its work counted on the clock then, and a copy of the problem computes it again."""
+    from optsched.solvers.model import clock
+
+    problem = chain_training_problem(12)
+    with clock.deterministic(True):
+        first = lower_bound_peak(problem)
+        counted = clock.units_counted()["bound_op"]
+        assert lower_bound_peak(problem) == first and clock.units_counted()["bound_op"] == counted
+        assert lower_bound_peak(dataclasses.replace(problem)) == first
+        assert clock.units_counted()["bound_op"] == 2 * counted
+
+
 def test_says_where_it_holds():
     problem = chain_training_problem()
     value, where = explain(problem)
@@ -116,7 +130,7 @@ def test_recomputing_an_operand_keeps_its_inputs_live_until_their_own_backward_r
     old, peak_bound.CHAIN_POINTS = peak_bound.CHAIN_POINTS, 0
     old_regions, region_bound.REGION_WORK = region_bound.REGION_WORK, 0
     try:
-        alone = lower_bound_peak(problem)
+        alone = lower_bound_peak(dataclasses.replace(problem))  # a copy: the bound is kept on the problem
     finally:
         peak_bound.CHAIN_POINTS, region_bound.REGION_WORK = old, old_regions
     lowest = min(min_peak(enumerate_plans(problem, fo, bo, check=False))
@@ -150,7 +164,7 @@ def test_a_gated_mlps_backward_weighed_as_a_region_raises_the_bound_and_stays_be
     problem = _transformers_llama()
     old, region_bound.REGION_WORK = region_bound.REGION_WORK, 0
     try:
-        alone = lower_bound_peak(problem)
+        alone = lower_bound_peak(dataclasses.replace(problem))  # a copy: the bound is kept on the problem
     finally:
         region_bound.REGION_WORK = old
     bound = lower_bound_peak(problem)

@@ -67,7 +67,7 @@ class Floors:
         inputs = sum(x.bytes for x in p.tensors if x.kind is TensorKind.INPUT)
         outputs = sum(p.tensors[i].bytes for i in p.outputs if p.tensors[i].kind is not TensorKind.INPUT)
         unplanned = simulate(p, default_schedule(p)).peak_bytes
-        bound = 0 if budget is not None and budget >= unplanned else lower_bound_peak(p, charge=True)  # no plan goes below
+        bound = 0 if budget is not None and budget >= unplanned else lower_bound_peak(p)  # no plan goes below
         return Floor(bound, inputs + outputs, unplanned)
 
     def counts_tried(self, chains: list[Chain]) -> tuple[int, ...]:

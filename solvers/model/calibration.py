@@ -29,11 +29,11 @@ UNITS: dict[str, Unit] = {
     "cpsat_dtime_chain": Unit(1.25, "a unit of CP-SAT's deterministic time in the chain's option model (a window's)"),
     "cpsat_constraint": Unit(7.68e-05, "a constraint of a CP-SAT model solved: loading and presolve, left out of dtime"),
     "simulated_step": Unit(8.88e-06, "a step (an op run or a tensor's copy) the simulator replays"),
-    "bound_op": Unit(1.10e-04, "an op of a problem the peak bound covers"),
+    "bound_op": Unit(9.9e-05, "an op of a problem the peak bound covers"),
     "bound_scan": Unit(0.0, "a tensor the bound's per-op passes look at"),
     "bound_edge": Unit(0.0, "an edge of the bound's min-cut networks"),
-    "bound_flow": Unit(1.67e-07, "an edge a max flow of the bound scanned or advanced past (per phase)"),
-    "bound_state": Unit(1.5e-05, "a state the bound's region searches expanded (solvers/search/region_bound.py)"),
+    "bound_flow": Unit(1.85e-07, "an edge a max flow of the bound scanned or advanced past (per phase), or walked (per path)"),
+    "bound_state": Unit(3.5e-05, "a state the bound's region searches expanded (solvers/search/region_bound.py)"),
     "problem_op": Unit(0.000744, "an op of a problem built from a graph (costs, tensors, fusion groups)"),
     "op_timed": Unit(0.00484, "an op (or a fusion group's kernel) timed on the device (inputs made, warm-up, repeats)"),
     "op_profiled": Unit(0.000486, "an op run under the allocation profiler (its scratch space, its out= form)"),
@@ -72,9 +72,12 @@ UNITS: dict[str, Unit] = {
 # errors: 1.10e-4 s an op and 1.67e-7 a flow step, within 17% on each (the scan and edge counts add nothing once
 # those two are in). The previous prices (the faster machine's) charged 0.3-0.6x of its time: the planning-time
 # benchmark's llama-outside at 40% took 1.67x its limit, its bounds charged a third of what they took.
-# bound_state: a prior, timed alone: lower_bound_peak on 9 saved problems (GPT, GPT-2, GPT-NeoX, OPT, Llama x 3,
-# nn.TransformerEncoder, 80 Llama-7B layers; best of 2) with and without the region searches, the wall seconds
-# beyond what the op and flow units charge: 10-16 us a state. No benchmark run counted it when the table was fitted.
+# bound_op, bound_flow, bound_state: refitted with the region searches (solvers/search/region_bound.py) the same way,
+# lower_bound_peak timed alone (best of 2) on 18 saved problems (GPT, GPT-2 and its chunked loss heads, GPT-NeoX, OPT,
+# Llama x 3, nn.TransformerEncoder, the checkpointed TinyLM's variants, 80 Llama-7B layers), CPU probe 0.18-0.20 s:
+# 9.9e-5 s an op, 1.85e-7 a flow step (each augmenting path's edges now counted too), 3.5e-5 a state of the region
+# searches, within 27% on each (the previous prices, 1.1e-4 / 1.67e-7 / a 1.5e-5 prior, undercharged the regions'
+# problems by up to 1.5x alone).
 # graph_node_captured: plan_offline's capture of Llama-7B's layer x 80 under fake tensors took 25.1-25.5 s for 16706
 # nodes here (1.5 ms a node; the previous machine took 0.73-0.84), fitted on the benchmark's two captures.
 # graph_node_stamped: the 80-layer stamp (16546 nodes, and the 5-block check's 1266) took 1.9-2.7 s beside its traces

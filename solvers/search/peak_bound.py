@@ -179,6 +179,7 @@ class _Bound:
                 d |= self.desc[s] | (1 << s)
             self.desc[o] = d
         self.where = ""
+        self.has_backward = p.has_backward
 
     # ------------------------------------------------------------------ helpers
 
@@ -255,16 +256,24 @@ class _Bound:
 
     def _caller(self, also: frozenset = frozenset()) -> int:
         """`also`: forward values the plan saves for the backward (their copies cross the caller's loss)."""
+        base, held = self._caller_held
+        if not held:
+            return 0
+        return base + sum(self.size[t] for t in also - held if self.p.tensors[t].kind is not TensorKind.INPUT)
+
+    @functools.cached_property
+    def _caller_held(self) -> tuple[int, frozenset[int]]:
+        """The caller family's bound and what it holds (empty: no loss computed by the caller)."""
         p = self.p
         caller = [t.id for t in p.tensors if t.kind is TensorKind.CALLER]
-        if not caller or not p.has_backward:
-            return 0
+        if not caller or not self.has_backward:
+            return 0, frozenset()
         reused_in_bw = {i for op in p.bw_ops for _o, i in op.reuse}
         held = set(caller) | {t.id for t in p.tensors if t.kind in (TensorKind.TANGENT, TensorKind.TANGENT_FREED)}
-        held |= self.fw_outputs | also
+        held |= self.fw_outputs
         held |= {t for t in range(len(p.tensors)) if self._pinned(t) and t not in reused_in_bw
                  and any(p.ops[r].phase is Phase.BW for r in self.readers[t])}
-        return self.inputs + sum(self.size[t] for t in held if p.tensors[t].kind is not TensorKind.INPUT)
+        return self.inputs + sum(self.size[t] for t in held if p.tensors[t].kind is not TensorKind.INPUT), frozenset(held)
 
     def _forward(self, f, also: frozenset = frozenset()) -> int:
         """The values made by ancestors of `f` that stay live across it (see the module docstring), in arrays:
@@ -541,7 +550,7 @@ class _Net:
         self.adj: list[list[int]] = []
         self.to: list[int] = []
         self.cap: list[int] = []
-        self.steps = 0  # per phase: the edges its search scans, and those its augmenting paths advance past
+        self.steps = 0  # per phase: the edges its search scans and its augmenting paths advance past; per path, its edges
 
     def node(self) -> int:
         self.adj.append([])
@@ -592,6 +601,7 @@ class _Net:
                 for e in path:
                     cap[e] -= f
                     cap[e ^ 1] += f
+                self.steps += 2 * len(path)  # walked to the sink, then pushed along
                 return f
             while it[u] < len(adj[u]):
                 e = adj[u][it[u]]

@@ -259,7 +259,7 @@ class _Search:
         saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if _claimable(b, t)]
         saved = [t for t in (*saved, *held) if any(p.ops[r].phase is Phase.BW for r in b.readers[t])]
         most = 0
-        if saved and self.b.p.has_backward:  # the caller's loss, between the forward and the backward
+        if saved and b.has_backward:  # the caller's loss, between the forward and the backward
             key = ("caller", frozenset(saved))
             if key not in self.forced:
                 self.forced[key] = b._caller(key[1])

@@ -57,7 +57,7 @@ REGION_PRODUCERS = 6  # recomputable producers modeled per region (the nearest):
 REGION_STEPS = 20  # backward ops plus recomputations per region (beyond: the region is not bounded)
 REGION_STATES = 20_000  # states one search may expand (beyond: no claim from that region)
 REGION_WORK = 60_000  # states all regions of a problem may expand (about 1 s)
-REGION_SEEDS = 8  # regions tried per problem, the most promising first
+REGION_SEEDS = 4  # regions tried per problem, the most promising first
 REGION_BEFORE = 3  # backward ops before the region (the highest upper bounds) where saved values are counted
 REGION_EDGES = 300_000  # edges of the cut networks the regions may build
 REGION_CROSSED = 2  # the strongest regions searched again with a chain of regions before them ...
@@ -87,7 +87,7 @@ def region_bounds(b, consts: dict, upper: dict, found: dict, best: int) -> tuple
     # the most promising first (the search's limits may stop before the last): the most bytes counted over the
     # largest constant part, then the latest in the program (the backward's last regions hold the most gradients)
     regions.sort(key=lambda r: (-sum(b.size[t] for t in r.counted) - max(consts[o][0] for o in r.ops), -max(r.ops)))
-    where = ""
+    where, start = "", best
     searches: list[tuple[int, _Search]] = []
     edge_end = b.work + REGION_EDGES
     for region in regions[:REGION_SEEDS]:
@@ -98,6 +98,8 @@ def region_bounds(b, consts: dict, upper: dict, found: dict, best: int) -> tuple
         searches.append((v, search))
         if v > best:
             best, where = v, f"over the backward of {p.ops[region.seed].name}'s region"
+    if best <= start:  # no region showed more than the points: their chains are not searched (the time they take)
+        return best, where
     searches.sort(key=lambda vs: -vs[0])
     for v, a in searches[:REGION_CROSSED]:  # the strongest regions again, their saved values held in those before
         others = [s for _v, s in searches if s is not a]

@@ -152,6 +152,8 @@ class _Bound:
         self.region_states = 0  # states the region searches expanded (region_bound.py)
         self.held_tangents = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.TANGENT)
         self.fw_outputs = {t for t in p.outputs if self.fw_made[t]}
+        # live at every backward step of every plan: inputs, the seeds the engine holds, the forward's step outputs
+        self.backward_const = self.inputs + self.held_tangents + sum(self.size[t] for t in self.fw_outputs)
         self.offloadable = [
             p.host_bw > 0 and t.offloadable and t.kind is TensorKind.ACTIVATION and t.id not in p.outputs
             and (p.host_budget_bytes is None or t.bytes <= p.host_budget_bytes)
@@ -323,8 +325,7 @@ class _Bound:
             self._fixed = {t.id for t in p.tensors if t.kind in (TensorKind.INPUT, TensorKind.TANGENT)} | self.fw_outputs
         fixed = self._fixed
         v, own = self._operands(b, fixed)
-        const = self.inputs + self.held_tangents + sum(self.size[t] for t in self.fw_outputs) + v
-        return const, fixed | own
+        return self.backward_const + v, fixed | own
 
     # ------------------------------------------------------------------ the cut at a backward op
 

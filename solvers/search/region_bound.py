@@ -173,7 +173,6 @@ class _Search:
             const, skip = consts[o]
             self.cut[o] = const + b._cut(p.ops[o], skip | counted)
         self.skips = {o: consts[o][1] for o in region.ops}
-        self.always = b.inputs + b.held_tangents + sum(b.size[t] for t in b.fw_outputs)
         self.producer_outputs = {t for q in region.producers for t in p.ops[q].outputs}
         self.claimed = frozenset(t for t in self.producer_outputs if _claimable(b, t))
         self.readers = {r for t in self.claimed for r in b.readers[t] if p.ops[r].phase is Phase.BW}
@@ -187,36 +186,24 @@ class _Search:
         self.fw_points = sorted(made_after, key=lambda q: (-b.fw_values.get(q, 0), q))[:REGION_BEFORE]
         self.fw_points += [q for q in made_after[-1:] if q not in self.fw_points]  # the forward's end
         self.forced: dict = {}
+        # what no subset changes (the region's ops are its first steps, in this order, in every search): which ops
+        # run before which, which run before a counted value's reader outside the region, each op's own cost
+        self.op_before = [sum(1 << j for j, o2 in enumerate(region.ops) if b.anc[o] >> o2 & 1) for o in region.ops]
+        self.later = {}
+        for t in region.counted:
+            outside = [x for x in b.readers[t] if x not in in_region and p.ops[x].phase is Phase.BW]
+            self.later[t] = sum(1 << i for i, o in enumerate(region.ops) if any(b.anc[x] >> o & 1 for x in outside))
         self.subsets = [[q for i, q in enumerate(region.producers) if m >> i & 1]  # everything recomputed first
                         for m in sorted(range(1 << len(region.producers)), key=lambda m: (-bin(m).count("1"), m))]
 
     def least(self, best: int, others: list[_Search] = ()) -> int:
         """The least, over the subsets, of the least largest step; `best` or less as soon as one subset gets
         there (the region cannot raise the bound then). 0: no claim (a search ran out of states). `others`:
-        regions that run before some reader of this one's producers: a saved producer's outputs are live at
-        their steps that do, and the least over their own subsets counts too."""
-        least = None
-        if others:
-            return self._least_crossed(best, others)
-        for recomputed in self.subsets:
-            v = self._saved_before(recomputed)
-            if least is not None and v >= least:
-                continue
-            found = self._search(recomputed, least)
-            if found is None:
-                return 0
-            v = max(v, found)
-            least = v if least is None else min(least, v)
-            if least <= best:
-                break
-        return least or 0
-
-    def _least_crossed(self, best: int, others: list[_Search]) -> int:
-        """`least` with a chain of regions before this one (each the strongest of `others` running before a
-        reader of the previous one's producers): a subset's saved values held in the next region, whose own
-        saved values join them in the one after."""
+        regions that may run before this one's readers: a chain of them (each the strongest of `others` running
+        before a reader of the previous one's producers) holds a subset's saved values, whose own saved values
+        join them in the next."""
         chain, prev, claimed = [], self, self.claimed
-        while len(chain) < REGION_CHAIN:
+        while others and len(chain) < REGION_CHAIN:
             before = [o for o in others if not o.claimed & claimed
                       and any(self.b.anc[r] >> q & 1 for q in o.r.ops for r in prev.readers)]
             if not before:
@@ -287,7 +274,7 @@ class _Search:
             self.forced[q] = const + self.b._cut(self.b.p.ops[q], skip | self.claimed | self.exclude)
         return self.forced[q]
 
-    def _search(self, recomputed: list[int], stop: int | None, held: frozenset = frozenset()) -> int | None:
+    def _search(self, recomputed: list[int], stop: int, held: frozenset = frozenset()) -> int | None:
         """The least largest step over the orders with `recomputed` recomputed; `stop` or more once every order
         reaches `stop` (None: no claim, out of states). `held`: forward copies live at each step that runs
         before one of their backward readers."""
@@ -298,11 +285,8 @@ class _Search:
         op_steps = {o: index[("op", o)] for o in r.ops}
         made_by = {t: rc_of[q] for q in recomputed for t in p.ops[q].outputs}
         made_by.update({t: op_steps[o] for o in r.ops for t in p.ops[o].outputs})
-        before = [0] * len(steps)  # steps that must run first
+        before = self.op_before + [0] * len(recomputed)  # steps that must run first
         for o, i in op_steps.items():
-            for o2, j in op_steps.items():
-                if b.anc[o] >> o2 & 1:
-                    before[i] |= 1 << j
             for t in p.ops[o].inputs:
                 if t in made_by and made_by[t] != i:
                     before[i] |= 1 << made_by[t]
@@ -315,10 +299,7 @@ class _Search:
             for t in p.ops[o].inputs:
                 if t in readers:
                     readers[t] |= 1 << i
-        later = {}  # per counted value: the region ops that run before one of its readers outside the region
-        for t in r.counted:
-            outside = [x for x in b.readers[t] if x not in op_steps and p.ops[x].phase is Phase.BW]
-            later[t] = sum(1 << i for o, i in op_steps.items() if any(b.anc[x] >> o & 1 for x in outside))
+        later = self.later
         starts = {}  # per counted value: the steps after which it exists (0: from the backward's start)
         for t in r.counted:
             if t in made_by:
@@ -335,7 +316,7 @@ class _Search:
         heap = [(0, 0)]
         while heap:
             v, done = heapq.heappop(heap)
-            if done == full or (stop is not None and v >= stop):
+            if done == full or v >= stop:
                 return v
             if seen.get(done, -1) < v:
                 continue
@@ -377,4 +358,4 @@ class _Search:
             shared = sum(b.size[i] for _o, i in op.reuse)
         else:
             shared = max((b.size[i] for _o, i in op.reuse), default=0)
-        return self.always + max(0, sum(b.size[t] for t in own) - shared) + b.ws[o], own
+        return b.backward_const + max(0, sum(b.size[t] for t in own) - shared) + b.ws[o], own

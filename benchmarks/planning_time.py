@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(out, indent=1))
         return out
     os.environ.setdefault("OPTSCHED_ZOO_SIZE", "bench")
+    # first calls as on a fresh machine: no op times from the user's op-time file (costs/op_cache.py), which an
+    # earlier run of this benchmark filled; the models' programs still share the times this process measures
+    os.environ.setdefault("OPTSCHED_OP_TIMES", "off")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out: dict = {"time_limit_s": args.limit, "slack": SLACK, "threads": torch.get_num_threads(), "cases": []}
     for name in [c.strip() for c in args.cases.split(",") if c.strip()]:

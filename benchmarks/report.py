@@ -775,8 +775,10 @@ def _planning_time_solves(d: dict) -> str:
 
 def two_processes_table(d: dict) -> str:
     """benchmarks/two_processes.py: the tight-budget GPT planned in two fresh processes sharing one op-time file."""
-    lines = ["`benchmarks.tight_budgets --parts gpt` in two fresh processes, each with its own results file, both "
-             "naming one `$OPTSCHED_OP_TIMES` file (the first measures and writes op times, the second reads them); "
+    shared = ("with optsched's defaults: both use the default op-time file, in a cache directory of their own, "
+              "empty at the start" if d.get("op_times") == "default" else "both naming one `$OPTSCHED_OP_TIMES` file")
+    lines = ["`benchmarks.tight_budgets --parts gpt` in two fresh processes, each with its own results file, "
+             f"{shared} (the first measures and writes op times, the second reads them); "
              f"{d['probes']} lowest-feasible probes. Peak planned (or, infeasible, the lowest found), MiB:", "",
              "| budget | first process | second process | equal |", "|---|---|---|---|"]
     for r in d["rows"]:

@@ -473,8 +473,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     ap.add_argument("--show", action="store_true", help="print the stored tables and exit")
     ap.add_argument("--op-times", type=Path, default=None,
-                    help="a file of op times shared with other runs ($OPTSCHED_OP_TIMES): runs naming one file plan "
-                         "on the same measurements, so two fresh runs give the same plans")
+                    help="a file of op times shared with other runs ($OPTSCHED_OP_TIMES; default: the user's "
+                         "op-time file, costs/op_cache.py): runs sharing one file plan on the same measurements, "
+                         "so two fresh runs give the same plans")
     args = ap.parse_args(argv)
     if args.op_times is not None:
         os.environ["OPTSCHED_OP_TIMES"] = str(args.op_times.resolve())

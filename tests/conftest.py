@@ -20,6 +20,9 @@ from pathlib import Path
 # workers on two cores, and each worker's second OpenMP thread spins waiting for the core the other worker holds
 # (tests/test_chunking.py: 59 s of CPU with two threads, 29 s with one; optsched/costs/measure.py says why).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Op times stay in each test process: the user's op-time file (costs/op_cache.py, on by default) would carry times
+# from one run of the suite, or from the user's own planning, into the next. Tests of the file name their own.
+os.environ.setdefault("OPTSCHED_OP_TIMES", "off")
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:

@@ -186,8 +186,10 @@ print(json.dumps({"times": {o.name: o.time_s for o in plan.problem.ops}, "schedu
 """
 
 
-def _plan_in_a_fresh_process(op_times: Path) -> dict:
-    env = {**os.environ, "OPTSCHED_OP_TIMES": str(op_times)}
+def _plan_in_a_fresh_process(op_times: Path | None, cache_home: Path | None = None) -> dict:
+    """`op_times`: the file named by $OPTSCHED_OP_TIMES; None: the default file, under `cache_home`."""
+    env = {k: v for k, v in os.environ.items() if k != op_cache.ENV}
+    env.update({op_cache.ENV: str(op_times)} if op_times is not None else {"XDG_CACHE_HOME": str(cache_home)})
     out = subprocess.run([sys.executable, "-c", _PLAN], cwd=Path(__file__).parents[1], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -203,6 +205,37 @@ def test_two_fresh_processes_plan_alike_on_shared_measurements(tmp_path):
     second = _plan_in_a_fresh_process(tmp_path / "ops.json")
     assert len(first["times"]) > 10 and second["times"] == first["times"]
     assert second["schedule"] == first["schedule"] and second["peak"] == first["peak"]
+
+
+def test_two_fresh_processes_plan_alike_by_default(tmp_path):
+    """No setting needed: the op-time file is on by default, in the user's cache directory."""
+    first = _plan_in_a_fresh_process(None, tmp_path)
+    assert (tmp_path / "optsched" / "op_times.json").exists()
+    second = _plan_in_a_fresh_process(None, tmp_path)
+    assert len(first["times"]) > 10 and second["times"] == first["times"]
+    assert second["schedule"] == first["schedule"] and second["peak"] == first["peak"]
+
+
+def test_the_op_time_file_keeps_the_first_time_and_survives_a_bad_file(tmp_path, monkeypatch):
+    """A time already in the file stays (the processes before planned on it), new ones are added; a file cut short
+    (a crash mid-write elsewhere) is read as empty and rewritten, never an error; "off" shares nothing."""
+    path = tmp_path / "ops.json"
+    monkeypatch.setenv(op_cache.ENV, str(path))
+    path.write_text('{"a": 1.0')  # cut short
+    op_cache.put("a", 2.0)
+    op_cache.put("b", 3.0)
+    op_cache.save_shared()
+    assert json.loads(path.read_text()) == {"a": 2.0, "b": 3.0}
+    op_cache.clear()
+    op_cache.put("a", 5.0)
+    op_cache.put("c", 7.0)
+    op_cache.save_shared()
+    assert json.loads(path.read_text()) == {"a": 2.0, "b": 3.0, "c": 7.0}
+    monkeypatch.setenv(op_cache.ENV, "off")
+    assert op_cache.shared_file() is None
+    monkeypatch.delenv(op_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert op_cache.shared_file() == str(tmp_path / "cache" / "optsched" / "op_times.json")
 
 
 def test_op_timing_stops_at_its_time_limit_and_leaves_the_rest_to_the_roofline():

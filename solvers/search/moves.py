@@ -22,6 +22,7 @@ from .certify import certify_plan
 from .chain import MIN_BLOCKS, improve_by_chain
 from .fusion_options import form_options
 from .heuristics import base_orders
+from .hoist import hoist_readers
 from .incumbent import Incumbent
 from .offload import add_offloads, mix_offload_and_recompute
 from .reorder import refine_order
@@ -119,6 +120,16 @@ def block_checkpointing(ctx: Context, inc: Incumbent, _deadline: float) -> None:
 
 def recompute_swaps(ctx: Context, inc: Incumbent, deadline: float) -> None:
     starts.swap_recomputes(ctx.problem, inc, deadline)
+
+
+def hoist(ctx: Context, inc: Incumbent, deadline: float) -> None:
+    """Nothing fits: the lowest plan with readers of values live across its peak run before it (hoist.py)."""
+    low = inc.lowest
+    if low is None:
+        return
+    sched, sim = hoist_readers(ctx.problem, low.schedule, low.sim, ctx.budget, deadline)
+    if sched is not low.schedule:
+        inc.offer(sched, f"{low.stats.method}, readers hoisted above the peak", sim)
 
 
 def reorder_windows(ctx: Context, inc: Incumbent, deadline: float) -> None:
@@ -231,6 +242,8 @@ BLOCK_CHECKPOINTING = Move("block checkpointing", lambda c: c.training and c.bud
 RECOMPUTE_SWAPS = Move("recompute swaps", lambda c: c.training and c.budget is not None
                        and len(c.problem.ops) <= SWAP_MAX_OPS, recompute_swaps, wanted=lambda inc: not inc.found,
                        improver=True)
+HOIST = Move("hoist readers", lambda c: c.training and c.budget is not None, hoist, wanted=lambda inc: not inc.found,
+             improver=True)
 REORDER = Move("reorder windows", lambda c: c.training, reorder_windows, improver=True)
 OFFLOAD = Move("offload ladder", lambda c: c.training and c.offload, offload_ladder, improver=True, offload_only=True)
 REORDER_LOWEST = Move("reorder windows (copies kept)", lambda c: c.training and c.offload, reorder_lowest,

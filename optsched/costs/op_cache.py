@@ -19,6 +19,7 @@ import platform
 from contextlib import contextmanager
 from pathlib import Path
 
+import platformdirs
 import torch
 
 MAX_ENTRIES = 100_000  # the oldest go first beyond this (a process planning ever new shapes)
@@ -86,15 +87,15 @@ def shared_file() -> str | None:
     """The file of op times processes on this machine share: every process reads it before it first times an op
     and merges its own times in after, so they plan on the same measurements, so on the same costs (the
     tight-budget benchmark's fresh processes give the same plans). `$OPTSCHED_OP_TIMES` names another file, or
-    turns sharing off ("off": times stay in the process, each process measures its own); by default
-    `$XDG_CACHE_HOME/optsched/op_times.json` (`~/.cache/...`). Delete the file to measure afresh."""
+    turns sharing off ("off": times stay in the process, each process measures its own); by default `op_times.json`
+    in the user cache folder platformdirs names, beside the plan cache's (`~/.cache/optsched/` on Linux,
+    `$XDG_CACHE_HOME` respected). Delete the file to measure afresh."""
     path = os.environ.get(ENV)
     if path is not None and path.strip().lower() in OFF + ("",):
         return None
     if path:
         return path
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "optsched", "op_times.json")
+    return os.path.join(platformdirs.user_cache_dir("optsched", appauthor=False), "op_times.json")
 
 
 def _read(path: str) -> dict[str, float]:

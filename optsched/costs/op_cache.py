@@ -32,7 +32,8 @@ _loaded_from: set[str] = set()
 
 def place(device: torch.device) -> tuple:
     """Where an op ran, as far as its time depends on it: torch's version, the device, and on the CPU the
-    intra-op thread count (`torch.set_num_threads` changes every op's time), on CUDA the GPU's name."""
+    processor's model and the intra-op thread count (`torch.set_num_threads` changes every op's time), on CUDA the
+    GPU's name."""
     if device.type == "cpu":
         return (torch.__version__, "cpu", _cpu_name(), torch.get_num_threads())
     if device.type == "cuda":
@@ -144,7 +145,8 @@ def save_shared() -> None:
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
-            merged = {**_times, **_read(path)}
+            merged = _read(path)  # the file's times first: the oldest, the first to go beyond MAX_ENTRIES
+            merged.update((k, v) for k, v in _times.items() if k not in merged)
             while len(merged) > MAX_ENTRIES:
                 del merged[next(iter(merged))]
             tmp = f"{path}.{os.getpid()}.tmp"

@@ -3,7 +3,7 @@ processes after it (issue 34): a model's programs, the same model optimized agai
 with the same layers time each op once, and plan on the same time for it.
 
 Keyed by what an op's time depends on (`profiling.shared_key`: its target, argument layouts and values, and
-`place`), as text, so `save` and `load` can carry the times to another process: measured times differ from one
+`place`), as text, so a file can carry the times to another process: measured times differ from one
 process to the next by more than any rounding hides (a few of a graph's ops land on the other side of a grid
 line), so two processes plan on the same costs only when they share the measurements. By default they do: the
 file is `op_times.json` in the user's cache directory (`shared_file`), read before a process first times an op
@@ -66,22 +66,6 @@ def put(key: str, seconds: float) -> None:
 def clear() -> None:
     """Forget every time measured (the next graph times its ops again)."""
     _times.clear()
-
-
-def save(path: str | os.PathLike) -> None:
-    """Write the times measured so far to `path` (JSON), for `load` in another process on this machine."""
-    with open(path, "w") as f:
-        json.dump(_times, f)
-
-
-def load(path: str | os.PathLike) -> int:
-    """Take the times `save` wrote (they replace any of the same key measured here): ops timed there are not
-    timed again, and plan on the same costs. Returns how many were read."""
-    with open(path) as f:
-        loaded = json.load(f)
-    for key, seconds in loaded.items():
-        put(key, float(seconds))
-    return len(loaded)
 
 
 def shared_file() -> str | None:

@@ -311,7 +311,8 @@ TIME_STEP = 2 ** 0.25
 reference machine one op's fastest run in two processes differed by 2% (median) to 8% (9 in 10 ops), so most ops
 get the same time in both. Not all, and on a loaded machine far fewer (the bundled GPT's 95 distinct ops timed in 4
 processes at load 5-8 on 2 cores: 49% equal, pair by pair). A deterministic plan changes with any op's cost, so
-two fresh processes plan alike only on shared measurements (`op_cache.save` and `load`) or a plan file."""
+two fresh processes plan alike only on shared measurements (`op_cache.shared_file`, on by default) or a plan
+file."""
 TIME_FLOOR_S = 1e-5
 """An op called from Python spends a few µs in dispatch, varying by as much: below 10 µs the timer measures the call,
 not the op (GPT's ops under 10 µs in the runs above: equal in 66% of pairs on the grid alone, 99% floored)."""

@@ -158,23 +158,58 @@ class _Walk:
 
 
 def _walk(problem: Problem, steps: list[tuple[int, bool]], n_fw: int) -> _Walk:
-    """Per-step liveness bookkeeping: each read extends the copy it reads to that step, each
-    output starts a copy; a tensor made twice (by the same kind of step) is an error."""
+    """Per-step liveness bookkeeping: each read extends the copy it reads to that step (recompute handling:
+    in the backward, a tensor whose producer was recomputed earlier is read from the recomputed copy; one whose
+    producer is recomputed later may not be read before it: the lowered backward has no other copy of it,
+    lower/programs.py refuses the plan), each output starts a copy; a tensor made twice (by the same kind of
+    step) is an error. The simulator's innermost loop (every step's every input): names bound once, the reads
+    inline (a call per step was a third of a 10,000-step simulation)."""
     walk = _Walk(_held_from_start(problem, n_fw, last=max(len(steps) - 1, 0)))
     recomputed = {o for o, is_rc in steps[n_fw:] if is_rc}
+    ops, span, done, all_reads = problem.ops, walk.span, walk.recompute_pos, walk.reads
+    reads_of = _reads_of(problem)
     for k, (o, is_rc) in enumerate(steps):
-        op = problem.ops[o]
-        walk.reads.append(_read_inputs(problem, walk, k, o, n_fw, recomputed))
+        backward = k >= n_fw
+        reads = []
+        for t, producer in reads_of[o]:
+            if backward and producer in done:
+                key = (t, True)
+            elif backward and producer in recomputed:
+                raise ScheduleError(f"backward step {k} ({ops[o].name!r}) reads {problem.tensors[t].name!r} "
+                                    "before its recomputation")
+            else:
+                key = (t, False)
+            reads.append(key)
+            copy = span.get(key)
+            if copy is None or copy[0] > k:
+                where = "backward" if backward else "forward"
+                raise ScheduleError(f"{where} step {k} ({ops[o].name!r}) reads {problem.tensors[t].name!r} "
+                                    "before it exists")
+            if copy[1] < k:
+                copy[1] = k
+        all_reads.append(reads)
+        op = ops[o]
         if is_rc:
-            walk.recompute_pos[o] = k
+            done[o] = k
             walk.recompute_s += op.time_s
         for t in op.outputs:
             key = (t, is_rc)
-            if key in walk.span:
+            if key in span:
                 raise ScheduleError(f"{problem.tensors[t].name!r} produced twice")
-            walk.span[key] = [k, k]
+            span[key] = [k, k]
         walk.time_s += op.time_s
     return walk
+
+
+def _reads_of(problem: Problem) -> list[tuple[tuple[int, int | None], ...]]:
+    """Per op, (input tensor, its producer) for each input: made once per problem's ops and tensors."""
+    cached = problem.__dict__.get("_reads_of")
+    if cached is None or cached[0] is not problem.ops or cached[1] is not problem.tensors \
+            or len(cached[2]) != len(problem.ops):
+        tensors = problem.tensors
+        cached = problem.ops, tensors, [tuple((t, tensors[t].producer) for t in op.inputs) for op in problem.ops]
+        problem.__dict__["_reads_of"] = cached
+    return cached[2]
 
 
 def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, bool], list[int]]:
@@ -189,31 +224,6 @@ def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, 
         elif t.kind is TensorKind.TANGENT_FREED:  # to its last read (reads extend it)
             span[(t.id, False)] = [n_fw, min(n_fw, last)]
     return span
-
-
-def _read_inputs(problem: Problem, walk: _Walk, k: int, o: int, n_fw: int,
-                 recomputed: set[int]) -> list[tuple[int, bool]]:
-    """Step `k`'s reads, each copy's span extended to `k`. Recompute handling: in the backward, a
-    tensor whose producer was recomputed earlier is read from the recomputed copy; one whose producer is
-    recomputed later (`recomputed`: every op the backward recomputes) may not be read before it: the lowered
-    backward has no other copy of it (lower/programs.py refuses the plan)."""
-    op = problem.ops[o]
-    tensors, span, done, backward = problem.tensors, walk.span, walk.recompute_pos, k >= n_fw
-    reads = []
-    for t in op.inputs:  # the simulator's innermost loop (every step's every input): names bound once above
-        producer = tensors[t].producer
-        if backward and producer in recomputed and producer not in done:
-            raise ScheduleError(f"backward step {k} ({op.name!r}) reads {tensors[t].name!r} before its "
-                                "recomputation")
-        key = (t, backward and producer in done)
-        reads.append(key)
-        copy = span.get(key)
-        if copy is None or copy[0] > k:
-            where = "backward" if backward else "forward"
-            raise ScheduleError(f"{where} step {k} ({op.name!r}) reads {tensors[t].name!r} before it exists")
-        if copy[1] < k:
-            copy[1] = k
-    return reads
 
 
 def _hold_caller_values(problem: Problem, span: dict, n_fw: int, last: int) -> None:

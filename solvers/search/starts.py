@@ -33,6 +33,7 @@ INTERVAL_MODEL_MAX_OPS = 200  # the interval save/recompute model finds good pla
 UNTIE_MAX_BLOCKS = 4  # a relaxation over more repeated blocks than this is not untied once solved tied to its optimum
 TIED_SHARE = 0.6  # of the relaxation's slice, for the model whose repeated blocks decide alike (the rest: its repair)
 GAP_TARGET = 0.002  # stop a model once its plan is provably within 0.2% of the step time
+OFFLOAD_ALTERNATIVES = 64  # the relaxation with offloads' other solutions kept, simulated while its slice lasts
 MODEL_MIN_S = 0.05  # the least time an interval model gets (small graphs solve in milliseconds; a start's slice
 # on a large one can be far shorter, e.g. a late chunk count's, and the greedy plan is there anyway)
 SWAP_WIDTH = 16  # the swap search swaps a recomputation for one of this many candidates relieving the most
@@ -296,22 +297,26 @@ def relaxation_with_offloads(problem: Problem, inc: Incumbent, time_limit_s: flo
     budget = inc.budget
     if budget is None or problem.host_bw <= 0:
         return
+    deadline = clock.now() + time_limit_s
     fw, bw = [o.id for o in problem.fw_ops], [o.id for o in problem.bw_ops]
     base_s = sum(o.time_s for o in problem.ops)
     groups = find_blocks(problem, fw)
     ties = _ties(groups)
     line.note("relaxation with offloads" + (f", {len(groups.blocks)} blocks deciding alike" if ties else ""))
+    method = "cp-sat relaxation with offloads, program order" + (", blocks alike" if ties else "")
     try:
         res = solve_bound_and_repair(problem, fw, bw, budget, _step_profile(problem, fw, bw, budget),
                                      time_limit_s=time_limit_s, workers=workers, ties=ties, gap_s=GAP_TARGET * base_s,
-                                     offload_plans=True)
+                                     offload_plans=True, alternatives=OFFLOAD_ALTERNATIVES)
+        if res is None or res.status in ("INFEASIBLE", "UNKNOWN", "MODEL_INVALID"):
+            return
+        inc.offer(with_offloads(problem, fw, bw, res.recompute, res.offload), method)
+        for recompute, offloaded in res.alternatives:  # what the model ranked lower, while the slice lasts
+            if clock.now() >= deadline:
+                break
+            inc.offer(with_offloads(problem, fw, bw, set(recompute), offloaded), f"{method} (an earlier solution)")
     except ScheduleError as e:  # an offload the replay refuses (the host's budget): no plan from this start
         reject(log, "candidate(s) rejected in the relaxation with offloads", e)
-        return
-    if res is None or res.status in ("INFEASIBLE", "UNKNOWN", "MODEL_INVALID"):
-        return
-    sched = with_offloads(problem, fw, bw, res.recompute, res.offload)
-    inc.offer(sched, "cp-sat relaxation with offloads, program order" + (", blocks alike" if ties else ""))
 
 
 def block_checkpointing(problem: Problem, inc: Incumbent, groups: Groups) -> None:

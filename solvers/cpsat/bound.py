@@ -235,7 +235,8 @@ def solve_bound_and_repair(
         if left <= 0.05:
             break
         m, r = model.build(budget_bytes, margin, chosen if chosen else hint, ties)
-        solver = make_solver(left * (0.5 if rounds == 1 else 0.35), workers, "bound", linearization_level=linearization_level)
+        share = 1.0 if max_rounds == 1 else 0.5 if rounds == 1 else 0.35  # one round only (a bound): all the time
+        solver = make_solver(left * share, workers, "bound", linearization_level=linearization_level)
         solver.parameters.absolute_gap_limit = gap_s / NS
         cb = _Progress(on_solution, NS, r, model.f if offload_plans else {}, alternatives > 0) \
             if on_solution or alternatives else None

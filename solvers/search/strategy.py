@@ -179,7 +179,9 @@ def _weights(table: list[tuple[Move, float | None]], move: Move | None) -> float
 def _turn(ctx: Context, inc: Incumbent, move: Move, weight: float | None, end: float, weights: float,
           yields: dict[Move, tuple[float, float]]) -> None:
     """One move on `weight` over `weights` of the time left to `end`; an improver's gain per second of the
-    clock is kept in `yields`."""
+    clock is kept in `yields`, 0 for a gain under MIN_ROUND_GAIN (a turn that gains less is not worth another:
+    32 Llama-7B layers at 60%, the segment search's 0.03% took a second turn of 1.5 s, and certification, left
+    0.4 s, could not prove the 0.8% gap it proves in 2 s)."""
     if not move.wanted(inc):
         return
     left = max(0.0, end - clock.now())
@@ -190,7 +192,8 @@ def _turn(ctx: Context, inc: Incumbent, move: Move, weight: float | None, end: f
     before, t0 = _standing(inc), clock.now()
     move.run(ctx, inc, clock.now() + slice_s)
     if move.improver:
-        yields[move] = (weight or 0.0, _gain(before, _standing(inc)) / max(clock.now() - t0, 1e-3))
+        gained = _gain(before, _standing(inc))
+        yields[move] = (weight or 0.0, gained / max(clock.now() - t0, 1e-3) if gained >= MIN_ROUND_GAIN else 0.0)
 
 
 def _improve_while_gaining(ctx: Context, inc: Incumbent, end: float, yields: dict[Move, tuple[float, float]],

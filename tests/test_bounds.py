@@ -441,3 +441,33 @@ def test_relaxation_rejects_a_plan_that_fits_regression():
     assert min_peak(enumerate_plans(p, fw, bw)) == 14
     res = solve_bound_and_repair(p, fw, bw, 14, lambda _r: None, time_limit_s=TIME_LIMIT_S, workers=2, max_rounds=1)
     assert res is not None and res.status != "INFEASIBLE", res
+
+
+def test_a_bound_only_solve_whose_model_takes_most_of_its_time_to_load_is_not_started():
+    """Certification's one-round relaxation: when loading its model alone would take more than BOUND_LOAD_SHARE of
+    the time (80 Llama-7B layers: 14,400 constraints in a 1-3 s slice, never finished), no solve starts and nothing
+    is charged; with the time to load and solve it, the same call bounds."""
+    from optsched.solvers.cpsat import bound
+    from optsched.solvers.model import calibration, clock
+    from optsched.solvers.model.problem import default_schedule
+    from optsched.solvers.synthetic import chain_training_problem
+
+    p = chain_training_problem(60)
+    budget = simulate(p, default_schedule(p)).peak_bytes // 2
+    fw, bw = [o.id for o in p.fw_ops], [o.id for o in p.bw_ops]
+
+    def bound_only(limit):
+        with clock.deterministic():
+            res = bound.solve_bound_and_repair(p, fw, bw, budget, lambda _r: None, time_limit_s=limit, workers=1,
+                                               max_rounds=1)
+            return res, clock.units_counted()
+
+    ample, units = bound_only(5.0)
+    assert ample.status == "OPTIMAL" and ample.bound_s > 0
+    load = calibration.seconds("cpsat_constraint", units["cpsat_constraint"])
+    short = 0.9 * load / bound.BOUND_LOAD_SHARE
+    assert short > 0.05  # above the loop's own least time: the load is what stops it
+    skipped, units = bound_only(short)
+    assert skipped.status == "UNKNOWN" and skipped.bound_s == 0.0 and "cpsat_constraint" not in units
+    _started, units = bound_only(1.1 * load / bound.BOUND_LOAD_SHARE)
+    assert units["cpsat_constraint"] > 0  # loaded and solved (what it proves in that time may vary)

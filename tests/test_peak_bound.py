@@ -76,15 +76,23 @@ def test_stronger_than_simple_bound_on_a_layer_chain():
 
 def test_kept_on_the_problem_and_counted_once():
     """The same problem's bound is asked for several times in one planning (the budget's resolution, held outputs,
-    the solve): computed once, its work counted on the clock then, and a copy of the problem computes it again."""
+    the solve): computed once, its work counted on the clock then. A problem that differs in op times alone (a
+    program's floor against its measured problem) takes the same bound uncounted; one that differs in what the
+    bound reads (a storage's size) computes it again."""
     from optsched.solvers.model import clock
 
-    problem = chain_training_problem(12)
+    problem = chain_training_problem(13)
     with clock.deterministic(True):
         first = lower_bound_peak(problem)
         counted = clock.units_counted()["bound_op"]
         assert lower_bound_peak(problem) == first and clock.units_counted()["bound_op"] == counted
-        assert lower_bound_peak(dataclasses.replace(problem)) == first
+        retimed = dataclasses.replace(problem, ops=[dataclasses.replace(o, time_s=2 * o.time_s + 1e-6)
+                                                    for o in problem.ops])
+        assert lower_bound_peak(retimed) == first and clock.units_counted()["bound_op"] == counted
+        t = max((t for t in problem.tensors if t.kind is TensorKind.ACTIVATION), key=lambda t: t.bytes)
+        grown = dataclasses.replace(problem, tensors=[dataclasses.replace(x, bytes=4 * x.bytes) if x is t else x
+                                                      for x in problem.tensors])
+        assert lower_bound_peak(grown) > first
         assert clock.units_counted()["bound_op"] == 2 * counted
 
 

@@ -34,6 +34,7 @@ from ..plans.cache import save_or_warn
 from ..plans.file_format import PlanFile, PlanMismatchError
 from ..plans.plan import Plan
 from ..settings import PlanningSettings
+from ..solvers.heap import caller_heap_frozen
 from ..solvers.model import clock
 from ..solvers.model.problem import collecting_rejections, rejections_in
 from ..user_checkpoint import reference_peak
@@ -189,7 +190,7 @@ def solve_timed(variants: Variants, time: PlanningTime, gm: fx.GraphModule, dete
     from (a fusion group not convex, an op's FLOP formula raising, ...) noted on the plan (the solver's own are in
     its notes already)."""
     with collecting_rejections(rejections_in(gm.meta).copy()) as recovered:
-        with clock.deterministic(deterministic):
+        with clock.deterministic(deterministic), caller_heap_frozen():  # the bound and problem building too
             time.start(charged)
             try:
                 planned = variants.plan()

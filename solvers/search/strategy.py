@@ -12,12 +12,11 @@ when the caller passes it (`hint`).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import os
 import time
-from contextlib import contextmanager
 
+from ..heap import caller_heap_frozen
 from ..model import clock
 from ..model.problem import Problem, Schedule, collecting_rejections, default_schedule
 from ..model.simulator import simulate
@@ -129,27 +128,11 @@ def solve(
     CP-SAT races `workers` against the wall clock (plans may differ between runs and with the machine's load).
     This is `optsched.solvers.solve`.
     """
-    with clock.deterministic(deterministic), clock.stage("search"), _caller_heap_frozen(), \
+    with clock.deterministic(deterministic), clock.stage("search"), caller_heap_frozen(), \
             collecting_rejections() as rejected:
         sol = _solve(problem, budget_bytes, time_limit_s, workers, progress, hint)
     sol.stats.notes += rejected.notes()  # the candidates the search dropped on an error, counted per kind
     return sol
-
-
-@contextmanager
-def _caller_heap_frozen():
-    """The caller's objects are left out of garbage collection while we solve: a captured graph with its
-    fake tensors is millions of objects, and every full collection scanned them all (Llama 80 layers,
-    plan_offline at 40%: 56.6 s -> 40.9 s, the same plan). Not when the caller froze objects itself:
-    unfreezing would release theirs."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def run_portfolio(ctx: Context, inc: Incumbent, time_limit_s: float, table=None) -> None:

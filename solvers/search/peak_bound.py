@@ -91,35 +91,36 @@ def step_bound(problem: Problem) -> int:
     """The largest of the families of bounds above (0 for an empty problem), its work counted on the solvers'
     clock (deterministic mode) wherever it is computed: every caller's wait includes it. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
-    then."""
+    then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
+    that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
+    share of the limit, and so the plan, must not depend on what this process bounded before)."""
     key = _cache_key(problem)
     cached = problem.__dict__.get("_step_bound")
     if cached is not None and cached[0] == key:
         return cached[1]
     shape = _structure(problem), _limits()
-    for known, value in _SAME_SHAPE:
-        if known == shape:  # the same ops and storages, other times: the same bound, no work
-            problem.__dict__["_step_bound"] = (key, value)
-            return value
-    with clock.stage("bound"):
-        b = _Bound(problem)
-        value = b.value()
-    _SAME_SHAPE.appendleft((shape, value))
-    # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared: that
-    # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches
-    clock.count("bound_op", len(problem.ops))
-    clock.count("bound_scan", b.scanned)
-    clock.count("bound_edge", b.work)
-    clock.count("bound_flow", b.flow_steps)
-    clock.count("bound_state", b.region_states)
+    same = next(((value, units) for known, value, units in _SAME_SHAPE if known == shape), None)
+    if same is not None:
+        value, units = same
+    else:
+        with clock.stage("bound"):
+            b = _Bound(problem)
+            value = b.value()
+        # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared: that
+        # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches
+        units = {"bound_op": len(problem.ops), "bound_scan": b.scanned, "bound_edge": b.work,
+                 "bound_flow": b.flow_steps, "bound_state": b.region_states}
+        _SAME_SHAPE.appendleft((shape, value, units))
+    for unit, n in units.items():
+        clock.count(unit, n)
     problem.__dict__["_step_bound"] = (key, value)
     return value
 
 
-# (structure, bound) of the problems bounded last: a program's floor (its problem before op timing) and its measured
-# problem differ in op times alone where nothing measured changes a size, scratch or in-place write (a Llama's on
-# the CPU: 0.8-1.5 s of a 5 s limit twice), and times do not enter the bound
-_SAME_SHAPE: deque[tuple[tuple, int]] = deque(maxlen=4)
+# (structure, bound, work) of the problems bounded last: a program's floor (its problem before op timing) and its
+# measured problem differ in op times alone where nothing measured changes a size, scratch or in-place write (a
+# Llama's on the CPU: 0.8-1.5 s of wall time twice in a 5 s limit), and times do not enter the bound
+_SAME_SHAPE: deque[tuple[tuple, int, dict[str, int]]] = deque(maxlen=4)
 
 
 def _structure(p: Problem) -> tuple:

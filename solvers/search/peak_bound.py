@@ -66,15 +66,19 @@ choices above build at most CHAIN_WORK edges more.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
 from ..model import clock
 from ..model.fusion_sim import internal_tensors
-from ..model.problem import Phase, Problem, TensorKind
+from ..model.problem import FusionOption, Op, Phase, Problem, Tensor, TensorKind
 from . import region_bound
 from .region_bound import region_bounds
 
@@ -124,21 +128,25 @@ _SAME_SHAPE: deque[tuple[tuple, int, dict[str, int]]] = deque(maxlen=4)
 
 
 def _structure(p: Problem) -> tuple:
-    """Everything the bound reads: each op and storage but their names and times, what the caller holds, the host,
-    the fusion options' members and scratch."""
-    ops = tuple((o.phase, o.inputs, o.outputs, o.recomputable, o.reuse, o.reuse_all, o.workspace_bytes, o.writes)
-                for o in p.ops)
-    tensors = tuple((t.bytes, t.kind, t.producer, t.offloadable) for t in p.tensors)
-    options = tuple((f.members, f.workspace_bytes) for f in p.fusion_options)
-    return ops, tensors, p.outputs, p.returned, p.host_bw, p.host_budget_bytes, options
+    """Everything the bound may read: every field of the problem, its ops, storages and fusion options but names and
+    times (derived from the dataclasses, so a field added later is part of the key)."""
+    ops, tensors, options, scalars = (_fields_but(cls, "name", "time_s") for cls in (Op, Tensor, FusionOption, Problem))
+    return (tuple(map(ops, p.ops)), tuple(map(tensors, p.tensors)), tuple(map(options, p.fusion_options)),
+            scalars(p))
+
+
+@functools.cache
+def _fields_but(cls: type, *skip: str) -> Callable[[object], tuple]:
+    """A getter of `cls`'s fields but `skip` (and, for a problem, its lists, keyed apart), as a tuple."""
+    lists = ("ops", "tensors", "fusion_options") if cls is Problem else ()
+    return attrgetter(*(f.name for f in dataclasses.fields(cls) if f.name not in skip + lists))
 
 
 def _limits() -> tuple:
-    """The searches' limits, read now (a test lowers some): a bound found under other limits is another bound."""
-    r = region_bound
-    return (WORK_BUDGET, CHAIN_WORK, CHAIN_POINTS, CHAIN_BEFORE, CHAIN_CHOICES, CHAIN_DEPTH, r.REGION_DEPTH,
-            r.REGION_PRODUCERS, r.REGION_STEPS, r.REGION_STATES, r.REGION_WORK, r.REGION_SEEDS, r.REGION_BEFORE,
-            r.REGION_EDGES, r.REGION_CROSSED, r.REGION_CHAIN)
+    """The searches' limits (this module's and region_bound's constants), read now (a test lowers some): a bound
+    found under other limits is another bound."""
+    return tuple((m.__name__, k, v) for m in (sys.modules[__name__], region_bound) for k, v in sorted(vars(m).items())
+                 if k.isupper() and not k.startswith("_") and isinstance(v, (int, float)))
 
 
 def _cache_key(p: Problem) -> tuple:

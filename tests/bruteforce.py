@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from optsched.solvers import Op, Phase, Problem, Schedule, Tensor, TensorKind, simulate
+from optsched.solvers import Op, Phase, Problem, Schedule, ScheduleError, Tensor, TensorKind, simulate
 from optsched.solvers.search.heuristics import place_recomputes
 
 # ---------------------------------------------------------------------------------------------
@@ -164,6 +164,33 @@ def enumerate_plans(
                 assert abs(mine.time_s - sim.time_s) <= 1e-12 * max(1.0, sim.time_s)
             seen[key] = Plan(frozenset(subset), sched, sim.peak_bytes, sim.time_s)
     return list(seen.values())
+
+
+def sampled_placements(problem: Problem, fw_order: list[int], rng, count: int) -> list[int]:
+    """Peaks of `count` random plans: a random recomputed set, its recomputations and the backward ops interleaved in
+    a random order their data allows (not only just before their first reader, as `place_recomputes` puts them).
+    Plans the simulator refuses are left out."""
+    rec = recomputable_fw_ops(problem)
+    peaks = []
+    for _ in range(count):
+        chosen = {o for o in rec if rng.random() < 0.5}
+        steps = [(o.id, False) for o in problem.bw_ops] + [(o, True) for o in sorted(chosen)]
+        needs = {}
+        for o, again in steps:
+            producers = {problem.tensors[t].producer for t in problem.ops[o].inputs} - {None}
+            needs[(o, again)] = {(q, problem.ops[q].phase is Phase.FW) for q in producers
+                                 if problem.ops[q].phase is Phase.BW or q in chosen}
+        done: set[tuple[int, bool]] = set()
+        order: list[int] = []
+        while len(order) < len(steps):
+            step = rng.choice([s for s in steps if s not in done and needs[s] <= done])
+            done.add(step)
+            order.append(step[0])
+        try:
+            peaks.append(simulate(problem, Schedule(fw_order=list(fw_order), bw_order=order)).peak_bytes)
+        except ScheduleError:
+            continue
+    return peaks
 
 
 def min_peak(plans: list[Plan]) -> int:

@@ -22,7 +22,7 @@ from optsched.solvers import BudgetInfeasibleError, Phase, Problem, TensorKind, 
 from optsched.solvers.search.heuristics import greedy_recompute, lower_bound_peak, simple_peak_bound
 from optsched.solvers.search.offload import add_offloads
 from optsched.solvers.search.peak_bound import explain, step_bound
-from optsched.solvers.search import peak_bound, region_bound
+from optsched.solvers.search import joint_bound, peak_bound, region_bound
 from optsched.solvers.synthetic import _Builder, chain_training_problem
 from tests.test_fuzz import training_problems as offload_problems
 from tests.bruteforce import describe, enumerate_plans, min_peak, topological_fw_orders, topological_orders, training_problems
@@ -105,10 +105,12 @@ def test_kept_on_the_problem_and_counted_once():
         assert clock.units_counted()["bound_op"] == 3 * counted
 
 
-def test_says_where_it_holds():
+def test_says_where_it_holds(monkeypatch):
     problem = chain_training_problem()
     value, where = explain(problem)
-    assert value == step_bound(problem) and where.startswith("at ")
+    assert value == step_bound(problem) and where.startswith("over one save/recompute choice at ")
+    monkeypatch.setattr(joint_bound, "MAX_OPS", 0)  # the point families alone: one of them holds at a backward op
+    value, where = explain(problem)
     assert any(where == f"at {o.name}" for o in problem.ops if o.phase is Phase.BW)
 
 
@@ -146,10 +148,11 @@ def test_recomputing_an_operand_keeps_its_inputs_live_until_their_own_backward_r
     problem = _attention_like()
     old, peak_bound.CHAIN_POINTS = peak_bound.CHAIN_POINTS, 0
     old_regions, region_bound.REGION_WORK = region_bound.REGION_WORK, 0
+    old_joint, joint_bound.MAX_OPS = joint_bound.MAX_OPS, 0
     try:
         alone = lower_bound_peak(dataclasses.replace(problem))  # a copy: the bound is kept on the problem
     finally:
-        peak_bound.CHAIN_POINTS, region_bound.REGION_WORK = old, old_regions
+        peak_bound.CHAIN_POINTS, region_bound.REGION_WORK, joint_bound.MAX_OPS = old, old_regions, old_joint
     lowest = min(min_peak(enumerate_plans(problem, fo, bo, check=False))
                  for fo in topological_fw_orders(problem, limit=6) for bo in topological_orders(problem, [o.id for o in problem.bw_ops], 6))
     assert lower_bound_peak(problem) == lowest == alone + 4 * 64
@@ -180,10 +183,11 @@ def test_a_gated_mlps_backward_weighed_as_a_region_raises_the_bound_and_stays_be
     of every plan tried: the program's, greedy recomputation's and the lowest a search finds."""
     problem = _transformers_llama()
     old, region_bound.REGION_WORK = region_bound.REGION_WORK, 0
+    old_joint, joint_bound.MAX_OPS = joint_bound.MAX_OPS, 0
     try:
         alone = lower_bound_peak(dataclasses.replace(problem))  # a copy: the bound is kept on the problem
     finally:
-        region_bound.REGION_WORK = old
+        region_bound.REGION_WORK, joint_bound.MAX_OPS = old, old_joint
     bound = lower_bound_peak(problem)
     assert bound > alone * 1.03
     assert "region" in explain(problem)[1]

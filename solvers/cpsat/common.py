@@ -32,7 +32,7 @@ def cost_ns(time_s: float) -> int:
     return max(1, round(time_s / NS))
 
 
-KINDS = ("segment", "remat", "window", "bound", "order", "chain")  # the models: each its own clock unit
+KINDS = ("segment", "remat", "window", "bound", "order", "chain", "joint")  # the models: each its own clock unit
 
 
 def work_unit(kind: str) -> str:
@@ -128,7 +128,8 @@ def _charge(solver: cp_model.CpSolver, model: cp_model.CpModel) -> None:
     seconds, and the loading its deterministic time leaves out (solvers/model/clock.py)."""
     if clock.is_deterministic():
         clock.count(solver.optsched_work_unit, solver.deterministic_time)  # type: ignore[attr-defined]  # make_solver's
-        clock.count("cpsat_constraint", len(model.Proto().constraints))
+        # a model that prices its loading apart (the joint bound's: built anew, in Python, for each of its solves)
+        clock.count(getattr(solver, "optsched_constraint_unit", "cpsat_constraint"), len(model.Proto().constraints))
 
 
 def _stop(solver: cp_model.CpSolver, worker: threading.Thread, done: threading.Event, cancelled: threading.Event) -> None:

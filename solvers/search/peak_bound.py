@@ -79,7 +79,9 @@ import numpy as np
 from ..model import clock
 from ..model.fusion_sim import internal_tensors
 from ..model.problem import FusionOption, Op, Phase, Problem, Tensor, TensorKind
-from . import region_bound
+from . import joint_bound as joint_family, region_bound
+from .flow import INF as _INF, FlowNet
+from .joint_bound import joint_bound
 from .region_bound import region_bounds
 
 WORK_BUDGET = 200_000  # edges of the cut networks built per problem (then the rest keep their constant part)
@@ -88,7 +90,6 @@ CHAIN_POINTS = 3  # backward ops with the highest bounds where the operands' sav
 CHAIN_BEFORE = 3  # the backward ops before each (the highest upper bounds) where a saved operand is counted
 CHAIN_CHOICES = 32  # save/recompute combinations weighed per point at most (more: that point is left as it is)
 CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed (beyond: no claim about them)
-_INF = 1 << 62
 
 
 def step_bound(problem: Problem) -> int:
@@ -145,7 +146,7 @@ def _fields_but(cls: type, *skip: str) -> Callable[[object], tuple]:
 def _limits() -> tuple:
     """The searches' limits (this module's and region_bound's constants), read now (a test lowers some): a bound
     found under other limits is another bound."""
-    return tuple((m.__name__, k, v) for m in (sys.modules[__name__], region_bound) for k, v in sorted(vars(m).items())
+    return tuple((m.__name__, k, v) for m in (sys.modules[__name__], region_bound, joint_family) for k, v in sorted(vars(m).items())
                  if k.isupper() and not k.startswith("_") and isinstance(v, (int, float)))
 
 
@@ -293,6 +294,9 @@ class _Bound:
         v, at = region_bounds(self, consts, upper, found, best)
         if v > best:
             best, where = v, at
+        v, at = joint_bound(self, upper, best)
+        if v > best:
+            best, where = v, at
         self.where = where
         return best
 
@@ -405,7 +409,7 @@ class _Bound:
                 elif any(not anc >> r & 1 for r in others if p.ops[r].phase is Phase.BW):
                     up += self.size[tid]
             return up
-        net = _Net()
+        net = FlowNet()
         SRC, SNK = net.node(), net.node()
         op_node: dict[int, int] = {}
         for o in p.bw_ops:
@@ -582,82 +586,3 @@ def fused_workspaces(p: Problem) -> list[int]:
         for o in opt.members:
             ws[o] = min(ws[o], opt.workspace_bytes)
     return ws
-
-
-class _Net:
-    """A flow network with integer capacities; `max_flow` is Dinic's algorithm."""
-
-    def __init__(self) -> None:
-        self.adj: list[list[int]] = []
-        self.to: list[int] = []
-        self.cap: list[int] = []
-        self.steps = 0  # per phase: the edges its search scans and its augmenting paths advance past; per path, its edges
-
-    def node(self) -> int:
-        self.adj.append([])
-        return len(self.adj) - 1
-
-    def edge(self, u: int, v: int, c: int) -> None:
-        self.adj[u].append(len(self.to))
-        self.to.append(v)
-        self.cap.append(c)
-        self.adj[v].append(len(self.to))
-        self.to.append(u)
-        self.cap.append(0)
-
-    def max_flow(self, s: int, t: int) -> int:
-        adj, to, cap = self.adj, self.to, self.cap
-        flow = 0
-        while True:
-            level = [-1] * len(adj)
-            level[s] = 0
-            q = deque([s])
-            while q:
-                u = q.popleft()
-                for e in adj[u]:
-                    if cap[e] > 0 and level[to[e]] < 0:
-                        level[to[e]] = level[u] + 1
-                        q.append(to[e])
-            self.steps += len(to)
-            if level[t] < 0:
-                return flow
-            it = [0] * len(adj)
-            while True:
-                f = self._push(s, t, _INF, level, it)
-                if not f:
-                    break
-                flow += f
-                if flow >= _INF:
-                    return _INF
-            self.steps += sum(it)
-
-    def _push(self, s: int, t: int, limit: int, level: list[int], it: list[int]) -> int:
-        """One augmenting path in the level graph (iterative DFS), its bottleneck pushed."""
-        adj, to, cap = self.adj, self.to, self.cap
-        path: list[int] = []  # edges
-        u = s
-        while True:
-            if u == t:
-                f = min(cap[e] for e in path)
-                for e in path:
-                    cap[e] -= f
-                    cap[e ^ 1] += f
-                self.steps += 2 * len(path)  # walked to the sink, then pushed along
-                return f
-            while it[u] < len(adj[u]):
-                e = adj[u][it[u]]
-                v = to[e]
-                if cap[e] > 0 and level[v] == level[u] + 1:
-                    break
-                it[u] += 1
-            else:
-                if not path:
-                    return 0
-                level[u] = -1  # dead end
-                e = path.pop()
-                u = to[e ^ 1]
-                it[u] += 1
-                continue
-            e = adj[u][it[u]]
-            path.append(e)
-            u = to[e]

@@ -1,0 +1,359 @@
+"""A peak bound over one save/recompute choice for the whole program, weighed at every step at once.
+
+Why: `peak_bound`'s families bound each step alone, and each may assume its own choice: the caller's loss as if
+every activation were recomputed, a backward op as if the ones it needs were saved. No plan does both. On
+nn.TransformerEncoder (3 layers, width 128) the point bounds said 10.19 MiB where every plan found needed 11.81: the
+plans keep six layer-norm outputs across the caller's loss because recomputing one more makes some layer's backward
+hold a recomputed chain beside its gradients. One choice S (the set of forward ops recomputed) held at every step
+says 11.28.
+
+The argument. Take any plan the simulator accepts, S its recomputed ops (each recomputed once). In the simulator a
+forward value whose producer is not in S has one copy, from the forward to its last read (by backward ops and by
+recomputations); one whose producer is in S is read in the backward only from its recomputed copy, made before every
+backward read of it (a recomputation's included). "Claimable" values are those peak_bound's chained family claims
+(made by the forward, held by nobody outside, on the device, taking memory). Then in that plan:
+
+* while the caller computes its loss: what `_Bound._caller_held` counts, and every claimable value the backward reads
+  (a backward op, or the recomputation of an op in S) whose producer is not in S, unless a backward op writes into it;
+* at each forward op f: `_Bound._forward(f)`, and every such value made by an ancestor of f that no forward op after
+  f reads (those `_forward` counts already);
+* at each backward op b: `_Bound._bw_const(b)` (inputs, held seeds, forward step outputs, b's operands and scratch),
+  and, in terms of the plan's order (after(o): backward op o runs after b; A(P): P is in S and recomputed after b):
+    - a claimable forward value read after b (by a backward op o with after(o), or the recomputation of a Q with
+      A(Q)) is live at b unless A(its producer): its copy was made before b, or is made again after it;
+    - A(P) needs P in S, every backward reader of P's outputs after b, and A(Q) for each Q in S reading them;
+    - after() is closed under dependencies (b's ancestors before it, its descendants after);
+    - a backward value made before b and read after it (a step output: made before b) and a seed the backward frees
+      that is read after b are live at b;
+  and for b1 before b2 in every plan, A(P) at b2 implies A(P) at b1.
+
+Every plan gives S, after() and A() satisfying all of these, and its peak is at least each step's sum. So the least,
+over every S and every assignment, of the largest sum is a lower bound: a 0-1 program solved by CP-SAT
+(`_Master`). Not every backward op is put in (a 365-op Llama's would take minutes): the model starts with the
+START_POINTS highest and, after each solve, checks its S at other backward ops, each a minimum cut with S fixed
+(`_point_value`, the highest last value first, CHECKS of them at most), adding those above the solution's peak (ADD
+at most), until none is or ROUNDS solves are done. Each solve's proven bound holds whatever points it has (fewer
+points: a relaxation of the same argument), so a limit reached early weakens the bound and never breaks it. The
+solves are deterministic (one worker, CP-SAT's deterministic time), so the same problem gets the same bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from ..cpsat.common import DETERMINISTIC_WALL_FACTOR, memory_unit, run_solver, work_unit
+from ..model import calibration
+from ..model.problem import Phase, TensorKind
+from .flow import INF, FlowNet
+
+MAX_OPS = 400  # problems with more ops are left to the other families (each point's model is as large as the backward)
+START_POINTS = 3  # backward ops in the first solve (the highest upper bounds)
+CHECKS = 48  # backward ops whose minimum cut is checked against each solution, the highest last value first
+ADD = 8  # of those above the solution's peak, added to the next solve at most
+ROUNDS = 8  # solves at most
+SOLVE_DTIME = 0.3  # CP-SAT's deterministic time for all solves together (each takes what the ones before left)
+FLOW_STEPS = 4_000_000  # the checks' max flows together (peak_bound's flow steps); then no more checks
+WORK_UNIT = work_unit("joint")
+
+
+@dataclass
+class _Answer:
+    bound: int  # memory units, proven
+    peak: int  # the solution's peak (memory units), or -1 with no solution
+    recomputed: frozenset[int]
+    optimal: bool
+
+
+def joint_bound(b, upper: dict[int, int], best: int) -> tuple[int, str]:
+    """The joint bound if above `best` (and where), else (best, ""). `b`: peak_bound's `_Bound`; `upper`: per backward
+    op, an upper bound of its point bound (the first points are the highest)."""
+    p = b.p
+    if not p.has_backward or len(p.ops) > MAX_OPS:
+        return best, ""
+    master = _Master(b, best)
+    if not master.values:
+        return best, ""
+    order = sorted(master.consts, key=lambda o: (-upper.get(o, 0), o))
+    last = {o: master.consts[o][0] for o in order}
+    for o in order[:START_POINTS]:
+        master.add_point(o)
+    answer, flow_end = None, b.flow_steps + FLOW_STEPS
+    for _ in range(ROUNDS):
+        answer = master.solve()
+        if answer.peak < 0 or not answer.optimal or master.dtime_left <= 0 or b.flow_steps >= flow_end:
+            break
+        above = _points_above(b, master, answer, last, flow_end)
+        if not above:
+            break
+        for o in above:
+            master.add_point(o)
+    value = answer.bound * master.unit if answer else 0
+    if value > best:
+        return value, f"over one save/recompute choice at {len(master.points)} backward ops and the forward's"
+    return best, ""
+
+
+def _points_above(b, master: _Master, answer: _Answer, last: dict[int, int], flow_end: int) -> list[int]:
+    """Backward ops not in the model whose minimum cut, with the solution's recomputed set, is above its peak."""
+    above: list[tuple[int, int]] = []
+    todo = sorted((o for o in last if o not in master.points), key=lambda o: (-last[o], o))
+    for o in todo[:CHECKS]:
+        if b.flow_steps >= flow_end:
+            break
+        v = last[o] = _point_value(b, master, o, answer.recomputed)
+        if v // master.unit > answer.peak:
+            above.append((v, o))
+            if len(above) >= ADD:
+                break
+    return [o for _v, o in sorted(above, key=lambda vo: (-vo[0], vo[1]))]
+
+
+class _Master:
+    """The 0-1 program of the module docstring, a backward op's constraints added at a time."""
+
+    def __init__(self, b, best: int):
+        self.b, p = b, b.p
+        self.unit = memory_unit(p)
+        is_bw = [op.phase is Phase.BW for op in p.ops]
+        self.bw_readers = [[q for q in b.readers[t.id] if is_bw[q]] for t in p.tensors]
+        self.rec = [op.id for op in p.fw_ops if b.recomputable[op.id]]
+        rec = set(self.rec)
+        self.rec_readers = [[q for q in b.readers[t.id] if q in rec] for t in p.tensors]
+        self.values = [t.id for t in p.tensors if _claimable(b, t.id) and (self.bw_readers[t.id] or self.rec_readers[t.id])]
+        self.value_set = set(self.values)
+        self.bw_values = [t.id for t in p.tensors
+                          if b.size[t.id] and (b.bw_made[t.id] or t.kind is TensorKind.TANGENT_FREED)]
+        self.consts = {op.id: b._bw_const(op) for op in p.bw_ops}
+        self.m = m = cp_model.CpModel()
+        self.r = {q: m.NewBoolVar(f"recompute_{q}") for q in self.rec}
+        top = (sum(b.size) + sum(b.ws) + b.inputs) // self.unit + 1
+        self.peak = m.NewIntVar(min(best // self.unit, top), top, "peak")
+        self.points: dict[int, dict[int, object]] = {}  # backward op -> its A() per recomputable op
+        self.dtime_left = SOLVE_DTIME
+        self._forward_and_caller()
+        m.Minimize(self.peak)
+
+    def units(self, nbytes: int) -> int:
+        return nbytes // self.unit
+
+    def _producer_r(self, t: int):
+        return self.r.get(self.b.p.tensors[t].producer)
+
+    def _forward_and_caller(self) -> None:
+        b, p, m = self.b, self.b.p, self.m
+        saved = {}
+        for w in self.values:
+            rw, s = self._producer_r(w), m.NewBoolVar(f"saved_{w}")
+            if self.bw_readers[w]:
+                m.Add(s == 1) if rw is None else m.Add(s + rw >= 1)
+            else:  # read by recomputations only: kept when one of them runs and w's producer does not
+                for q in self.rec_readers[w]:
+                    m.Add(s >= self.r[q] - (rw if rw is not None else 0))
+            saved[w] = s
+        base, held = b._caller_held
+        if held:
+            written = {i for op in p.bw_ops for _o, i in op.reuse}
+            m.Add(self.peak >= self.units(base) + sum(self.units(b.size[w]) * saved[w] for w in self.values
+                                                      if w not in held and w not in written))
+        for f in p.fw_ops:
+            anc, desc, own = b.anc[f.id], b.desc[f.id], set(f.inputs) | set(f.outputs)
+            terms = [self.units(b.size[w]) * saved[w] for w in self.values
+                     if w not in own and w not in b.visible and self._producer_r(w) is not None
+                     and anc >> p.tensors[w].producer & 1
+                     and not any(desc >> q & 1 for q in b.readers[w] if p.ops[q].phase is Phase.FW)]
+            if terms:
+                m.Add(self.peak >= self.units(b._forward(f)) + sum(terms))
+
+    def add_point(self, at: int) -> None:
+        after = self._order_at(at)
+        rec_after = self._recomputed_after(at, after)
+        terms = self._forward_terms(at, after, rec_after) + self._backward_terms(at, after)
+        self.m.Add(self.peak >= self.units(self.consts[at][0]) + sum(terms))
+
+    def _order_at(self, at: int) -> dict[int, object]:
+        """after(o) per backward op: 0 (before `at`, or `at` itself), 1 (after it), or a variable."""
+        b, m = self.b, self.m
+        anc, desc = b.anc[at], b.desc[at]
+        after: dict[int, object] = {}
+        for op in b.p.bw_ops:
+            o = op.id
+            after[o] = 0 if o == at or anc >> o & 1 else 1 if desc >> o & 1 else m.NewBoolVar(f"after_{at}_{o}")
+        for o, x in after.items():
+            for q in b.preds[o]:
+                if q in after and not (isinstance(x, int) and isinstance(after[q], int)):
+                    m.Add(x >= after[q])
+        return after
+
+    def _recomputed_after(self, at: int, after: dict[int, object]) -> dict[int, object]:
+        """A(P) per recomputable op P: 0 or a variable; tied to the same op's A() at the points already in."""
+        b, m, r = self.b, self.m, self.r
+        rec_after: dict[int, object] = {}
+        for q in self.rec:
+            readers = [after[o] for t in b.p.ops[q].outputs for o in self.bw_readers[t]]
+            if any(isinstance(x, int) and x == 0 for x in readers):
+                rec_after[q] = 0
+                continue
+            x = rec_after[q] = m.NewBoolVar(f"recomputed_after_{at}_{q}")
+            m.AddImplication(x, r[q])
+            for y in readers:
+                if not isinstance(y, int):
+                    m.Add(y >= x)
+        for q, x in rec_after.items():
+            if isinstance(x, int):
+                continue
+            for t in b.p.ops[q].outputs:
+                for c in self.rec_readers[t]:
+                    if isinstance(rec_after[c], int):
+                        m.Add(x + r[c] <= 1)
+                    else:
+                        m.Add(rec_after[c] >= x + r[c] - 1)
+            for other, xs in self.points.items():
+                y = xs.get(q)
+                if y is None or isinstance(y, int):
+                    continue
+                if b.anc[at] >> other & 1:  # `other` runs before `at`: recomputed after `at`, after `other` too
+                    m.Add(y >= x)
+                elif b.anc[other] >> at & 1:
+                    m.Add(x >= y)
+        self.points[at] = rec_after
+        return rec_after
+
+    def _forward_terms(self, at: int, after: dict, rec_after: dict) -> list:
+        b, m = self.b, self.m
+        skip = self.consts[at][1]
+        terms = []
+        for w in self.values:
+            if w in skip:
+                continue
+            alt = rec_after[b.p.tensors[w].producer] if self._producer_r(w) is not None else 0
+            reads = [after[o] for o in self.bw_readers[w] if o != at] + [rec_after[q] for q in self.rec_readers[w]]
+            reads = [x for x in reads if not (isinstance(x, int) and x == 0)]
+            if not reads:
+                continue
+            live = m.NewBoolVar(f"live_{at}_{w}")
+            for x in reads:
+                m.Add(live + alt >= x)
+            terms.append(self.units(b.size[w]) * live)
+        return terms
+
+    def _backward_terms(self, at: int, after: dict) -> list:
+        b, p, m = self.b, self.b.p, self.m
+        skip, desc = self.consts[at][1], b.desc[at]
+        terms = []
+        for x in self.bw_values:
+            if x in skip:
+                continue
+            t = p.tensors[x]
+            if t.kind is TensorKind.TANGENT_FREED:
+                reads = [after[o] for o in b.readers[x] if o != at and not (isinstance(after[o], int) and after[o] == 0)]
+                made_before = 1
+            else:
+                if t.producer == at or desc >> t.producer & 1:
+                    continue
+                made_before = 1 - after[t.producer]
+                reads = [1] if x in p.outputs else [after[o] for o in b.readers[x] if o != at
+                                                    and not (isinstance(after[o], int) and after[o] == 0)]
+            if not reads:
+                continue
+            live = m.NewBoolVar(f"live_{at}_{x}")
+            for y in reads:
+                m.Add(live >= made_before + y - 1)
+            terms.append(self.units(b.size[x]) * live)
+        return terms
+
+    def solve(self) -> _Answer:
+        solver = cp_model.CpSolver()
+        solver.optsched_work_unit = WORK_UNIT  # type: ignore[attr-defined]  # charged by run_solver
+        solver.optsched_constraint_unit = "joint_constraint"  # type: ignore[attr-defined]
+        params = solver.parameters
+        params.num_workers, params.random_seed, params.linearization_level = 1, 0, 0
+        params.max_deterministic_time = self.dtime_left
+        params.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * calibration.seconds(WORK_UNIT, self.dtime_left)
+        status = run_solver(solver, self.m)
+        self.dtime_left -= solver.deterministic_time
+        bound = math.floor(solver.BestObjectiveBound() + 1e-6)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _Answer(bound if status == cp_model.UNKNOWN else 0, -1, frozenset(), False)
+        chosen = frozenset(q for q, x in self.r.items() if solver.Value(x))
+        self.m.ClearHints()
+        for q, x in self.r.items():
+            self.m.AddHint(x, q in chosen)
+        return _Answer(bound, round(solver.ObjectiveValue()), chosen, status == cp_model.OPTIMAL)
+
+
+def _point_value(b, master: _Master, at: int, recomputed: frozenset[int]) -> int:
+    """The constraint of backward op `at` with the recomputed set fixed, as bytes: its constant part and a minimum cut.
+    Source side: before `at` (ops), kept at `at` (a recomputable op's copies: its outputs are paid for where needed after
+    `at`); sink side: after `at`, made again after `at`, needed after `at` (a forward value)."""
+    p = b.p
+    const, skip = master.consts[at]
+    anc, desc = b.anc[at], b.desc[at]
+    net = FlowNet()
+    src, snk = net.node(), net.node()
+    node: dict[int, int] = {}
+    for op in p.bw_ops:
+        if op.id != at:
+            node[op.id] = k = net.node()
+            if anc >> op.id & 1:
+                net.edge(src, k, INF)
+            elif desc >> op.id & 1:
+                net.edge(k, snk, INF)
+    for o, k in node.items():
+        for q in b.preds[o]:
+            if q in node:
+                net.edge(k, node[q], INF)
+    _backward_values(b, master, at, net, node, src, snk)
+    again = {q: net.node() for q in master.rec if q in recomputed}
+    needed: dict[int, int] = {}
+    for w in master.values:
+        if w not in skip:
+            needed[w] = k = net.node()
+            for o in master.bw_readers[w]:
+                if o != at:
+                    net.edge(k, node[o], INF)
+            net.edge(again.get(p.tensors[w].producer, src), k, b.size[w])
+    for q, k in again.items():
+        for t in p.ops[q].outputs:
+            for o in master.bw_readers[t]:
+                net.edge(src if o == at or anc >> o & 1 else node[o], k, INF)
+            for c in master.rec_readers[t]:
+                if c in again:
+                    net.edge(again[c], k, INF)
+        for u in p.ops[q].inputs:
+            if u in needed:
+                net.edge(needed[u], k, INF)
+    b.work += len(net.to) // 2
+    flow = net.max_flow(src, snk)
+    b.flow_steps += net.steps
+    return const + flow
+
+
+def _backward_values(b, master: _Master, at: int, net: FlowNet, node: dict[int, int], src: int, snk: int) -> None:
+    """The backward's values and freed seeds in `_point_value`'s network (as peak_bound's `_cut` has them)."""
+    p, skip, desc = b.p, master.consts[at][1], b.desc[at]
+    for x in master.bw_values:
+        if x in skip:
+            continue
+        t = p.tensors[x]
+        others = [o for o in b.readers[x] if o != at]
+        if t.kind is TensorKind.TANGENT_FREED:
+            tail = src
+        elif t.producer == at or desc >> t.producer & 1:
+            continue
+        elif x in p.outputs:
+            net.edge(node[t.producer], snk, b.size[x])
+            continue
+        else:
+            tail = node[t.producer]
+        if others:
+            y = net.node()
+            net.edge(tail, y, b.size[x])
+            for o in others:
+                net.edge(y, node[o], INF)
+
+
+def _claimable(b, t: int) -> bool:
+    return b.fw_made[t] and t not in b.fw_outputs and b.size[t] > 0 and not b.offloadable[t]

@@ -1,0 +1,108 @@
+"""The joint save/recompute bound (`solvers/search/joint_bound.py`): below every plan tried, with every backward op in
+its model (its strongest claims); above the point families where one recomputed set must serve every step; the same
+bound on every run; on torch.nn's TransformerEncoder, where the point families left 16% between the bound and the
+plans found, within a few percent of the lowest plan found."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optsched.solvers import BudgetInfeasibleError, TensorKind, solve
+from optsched.solvers.search import joint_bound
+from optsched.solvers.search.heuristics import lower_bound_peak
+from optsched.solvers.search.peak_bound import _Bound, explain, step_bound
+from optsched.solvers.synthetic import chain_training_problem
+from tests.bruteforce import (describe, enumerate_plans, min_peak, sampled_placements, topological_fw_orders,
+                              topological_orders, training_problems)
+from tests.hypothesis_profiles import examples
+
+FIXED = settings(max_examples=examples(150), deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+
+def _without_joint(problem, monkeypatch) -> int:
+    with monkeypatch.context() as m:
+        m.setattr(joint_bound, "MAX_OPS", 0)
+        return _Bound(problem).value()
+
+
+def _lowest_found(problem, bound: int) -> int:
+    try:
+        return solve(problem, bound, time_limit_s=3.0).sim.peak_bytes
+    except BudgetInfeasibleError as e:
+        return e.lowest_peak_bytes
+
+
+@FIXED
+@given(training_problems(max_fw=8), st.booleans(), st.integers(0, 2**31))
+def test_below_every_plan_tried_with_every_backward_op_in(problem, freed, seed):
+    """Every backward op in the model (the most it ever claims); plans: every recomputed set in several orders, and
+    random placements of the recomputations (earlier than their first reader too)."""
+    if freed:
+        problem = dataclasses.replace(problem, tensors=[
+            dataclasses.replace(t, kind=TensorKind.TANGENT_FREED) if t.kind is TensorKind.TANGENT else t
+            for t in problem.tensors])
+    old = joint_bound.START_POINTS
+    joint_bound.START_POINTS = len(problem.ops)
+    try:
+        bound = _Bound(problem).value()
+    finally:
+        joint_bound.START_POINTS = old
+    fw_orders = topological_fw_orders(problem, limit=6)
+    peaks = [min_peak(enumerate_plans(problem, fo, bo, check=False))
+             for fo in fw_orders for bo in topological_orders(problem, [o.id for o in problem.bw_ops], 6)]
+    peaks += sampled_placements(problem, fw_orders[0], random.Random(seed), 40)
+    assert bound <= min(peaks), f"bound {bound} ({explain(problem)[1]}) above a plan's peak {min(peaks)}:\n{describe(problem)}"
+
+
+def test_one_choice_for_every_step_raises_a_layer_chains_bound(monkeypatch):
+    """A chain of layers: the point families let the caller's loss assume every activation recomputed and each
+    backward op assume what it reads saved; one recomputed set for all says more, and no plan found goes below it."""
+    problem = chain_training_problem()
+    alone = _without_joint(problem, monkeypatch)
+    bound = step_bound(problem)
+    assert bound > 1.1 * alone
+    assert explain(problem)[1].startswith("over one save/recompute choice at ")
+    assert bound <= _lowest_found(problem, bound)
+
+
+def test_the_same_bound_on_every_run():
+    """One worker, CP-SAT's deterministic time: a copy of the problem (nothing kept) gets the same bound."""
+    problem = chain_training_problem()
+    first = _Bound(dataclasses.replace(problem)).value()
+    assert all(_Bound(dataclasses.replace(problem)).value() == first for _ in range(2))
+
+
+def test_left_out_above_its_op_limit(monkeypatch):
+    problem = chain_training_problem()
+    monkeypatch.setattr(joint_bound, "MAX_OPS", len(problem.ops) - 1)
+    assert not explain(problem)[1].startswith("over one save/recompute choice")
+
+
+def test_torch_transformer_encoder_within_a_few_percent_of_its_lowest_plan(monkeypatch):
+    """torch.nn.TransformerEncoder (post-norm layers, a vocabulary head, the loss outside the module) at a budget no
+    plan meets: the plans keep layer-norm outputs across the caller's loss that the point families let it drop."""
+    torch = pytest.importorskip("torch")
+    from optsched.api import capture_problem
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    embed, head = torch.nn.Embedding(128, 64), torch.nn.Linear(64, 128)
+    ids = torch.randint(0, 128, (4, 64))
+
+    def step(ids):
+        return head(encoder(embed(ids)))
+
+    logits_problem = capture_problem(step, (ids,), device_profile="h100")
+    problem = dataclasses.replace(logits_problem, host_bw=0.0)
+    alone = _without_joint(problem, monkeypatch)
+    bound = lower_bound_peak(problem)
+    lowest = _lowest_found(problem, bound)
+    assert lowest > 1.03 * alone, (lowest, alone)  # the point families alone: more than 3% below the lowest plan
+    assert bound <= lowest <= 1.01 * bound, (lowest, bound, alone)

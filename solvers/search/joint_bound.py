@@ -42,12 +42,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+from ortools.graph.python import max_flow
 from ortools.sat.python import cp_model
 
 from ..cpsat.common import DETERMINISTIC_WALL_FACTOR, memory_unit, run_solver, work_unit
 from ..model import calibration
 from ..model.problem import Phase, TensorKind
-from .flow import INF, FlowNet
+from .flow import INF
 
 MAX_OPS = 400  # problems with more ops are left to the other families (each point's model is as large as the backward)
 START_POINTS = 3  # backward ops in the first solve (the highest upper bounds)
@@ -55,7 +57,7 @@ CHECKS = 48  # backward ops whose minimum cut is checked against each solution, 
 ADD = 8  # of those above the solution's peak, added to the next solve at most
 ROUNDS = 8  # solves at most
 SOLVE_DTIME = 0.3  # CP-SAT's deterministic time for all solves together (each takes what the ones before left)
-FLOW_STEPS = 4_000_000  # the checks' max flows together (peak_bound's flow steps); then no more checks
+CHECK_ARCS = 1_000_000  # arcs of the checks' networks together; then no more checks
 WORK_UNIT = work_unit("joint")
 
 
@@ -80,12 +82,12 @@ def joint_bound(b, upper: dict[int, int], best: int) -> tuple[int, str]:
     last = {o: master.consts[o][0] for o in order}
     for o in order[:START_POINTS]:
         master.add_point(o)
-    answer, flow_end = None, b.flow_steps + FLOW_STEPS
+    answer, arc_end = None, b.joint_arcs + CHECK_ARCS
     for _ in range(ROUNDS):
         answer = master.solve()
-        if answer.peak < 0 or not answer.optimal or master.dtime_left <= 0 or b.flow_steps >= flow_end:
+        if answer.peak < 0 or not answer.optimal or master.dtime_left <= 0 or b.joint_arcs >= arc_end:
             break
-        above = _points_above(b, master, answer, last, flow_end)
+        above = _points_above(b, master, answer, last, upper, arc_end)
         if not above:
             break
         for o in above:
@@ -96,12 +98,15 @@ def joint_bound(b, upper: dict[int, int], best: int) -> tuple[int, str]:
     return best, ""
 
 
-def _points_above(b, master: _Master, answer: _Answer, last: dict[int, int], flow_end: int) -> list[int]:
-    """Backward ops not in the model whose minimum cut, with the solution's recomputed set, is above its peak."""
+def _points_above(b, master: _Master, answer: _Answer, last: dict[int, int], upper: dict[int, int],
+                  arc_end: int) -> list[int]:
+    """Backward ops not in the model whose minimum cut, with the solution's recomputed set, is above its peak (an op
+    whose upper bound, every value it may need kept, is not above it cannot be)."""
     above: list[tuple[int, int]] = []
-    todo = sorted((o for o in last if o not in master.points), key=lambda o: (-last[o], o))
+    todo = sorted((o for o in last if o not in master.points and upper.get(o, INF) // master.unit > answer.peak),
+                  key=lambda o: (-last[o], o))
     for o in todo[:CHECKS]:
-        if b.flow_steps >= flow_end:
+        if b.joint_arcs >= arc_end:
             break
         v = last[o] = _point_value(b, master, o, answer.recomputed)
         if v // master.unit > answer.peak:
@@ -287,25 +292,20 @@ class _Master:
 def _point_value(b, master: _Master, at: int, recomputed: frozenset[int]) -> int:
     """The constraint of backward op `at` with the recomputed set fixed, as bytes: its constant part and a minimum cut.
     Source side: before `at` (ops), kept at `at` (a recomputable op's copies: its outputs are paid for where needed after
-    `at`); sink side: after `at`, made again after `at`, needed after `at` (a forward value)."""
+    `at`); sink side: after `at`, made again after `at`, needed after `at` (a forward value). `at`'s ancestors are the
+    source itself, its descendants the sink."""
     p = b.p
     const, skip = master.consts[at]
     anc, desc = b.anc[at], b.desc[at]
-    net = FlowNet()
-    src, snk = net.node(), net.node()
-    node: dict[int, int] = {}
-    for op in p.bw_ops:
-        if op.id != at:
-            node[op.id] = k = net.node()
-            if anc >> op.id & 1:
-                net.edge(src, k, INF)
-            elif desc >> op.id & 1:
-                net.edge(k, snk, INF)
+    net = _Arcs()
+    node = {op.id: _SRC if op.id == at or anc >> op.id & 1 else _SNK if desc >> op.id & 1 else net.node()
+            for op in p.bw_ops}
     for o, k in node.items():
-        for q in b.preds[o]:
-            if q in node:
-                net.edge(k, node[q], INF)
-    _backward_values(b, master, at, net, node, src, snk)
+        if k > _SNK:
+            for q in b.preds[o]:
+                if q in node:
+                    net.edge(k, node[q], INF)
+    _backward_values(b, master, at, net, node)
     again = {q: net.node() for q in master.rec if q in recomputed}
     needed: dict[int, int] = {}
     for w in master.values:
@@ -314,24 +314,22 @@ def _point_value(b, master: _Master, at: int, recomputed: frozenset[int]) -> int
             for o in master.bw_readers[w]:
                 if o != at:
                     net.edge(k, node[o], INF)
-            net.edge(again.get(p.tensors[w].producer, src), k, b.size[w])
+            net.edge(again.get(p.tensors[w].producer, _SRC), k, b.size[w])
     for q, k in again.items():
         for t in p.ops[q].outputs:
             for o in master.bw_readers[t]:
-                net.edge(src if o == at or anc >> o & 1 else node[o], k, INF)
+                net.edge(node[o], k, INF)
             for c in master.rec_readers[t]:
                 if c in again:
                     net.edge(again[c], k, INF)
         for u in p.ops[q].inputs:
             if u in needed:
                 net.edge(needed[u], k, INF)
-    b.work += len(net.to) // 2
-    flow = net.max_flow(src, snk)
-    b.flow_steps += net.steps
-    return const + flow
+    b.joint_arcs += len(net.heads)
+    return const + net.max_flow()
 
 
-def _backward_values(b, master: _Master, at: int, net: FlowNet, node: dict[int, int], src: int, snk: int) -> None:
+def _backward_values(b, master: _Master, at: int, net: _Arcs, node: dict[int, int]) -> None:
     """The backward's values and freed seeds in `_point_value`'s network (as peak_bound's `_cut` has them)."""
     p, skip, desc = b.p, master.consts[at][1], b.desc[at]
     for x in master.bw_values:
@@ -340,11 +338,11 @@ def _backward_values(b, master: _Master, at: int, net: FlowNet, node: dict[int, 
         t = p.tensors[x]
         others = [o for o in b.readers[x] if o != at]
         if t.kind is TensorKind.TANGENT_FREED:
-            tail = src
+            tail = _SRC
         elif t.producer == at or desc >> t.producer & 1:
             continue
         elif x in p.outputs:
-            net.edge(node[t.producer], snk, b.size[x])
+            net.edge(node[t.producer], _SNK, b.size[x])
             continue
         else:
             tail = node[t.producer]
@@ -353,6 +351,42 @@ def _backward_values(b, master: _Master, at: int, net: FlowNet, node: dict[int, 
             net.edge(tail, y, b.size[x])
             for o in others:
                 net.edge(y, node[o], INF)
+
+
+_SRC, _SNK = 0, 1
+
+
+class _Arcs:
+    """A flow network's arcs, solved by OR-tools' max flow. Arcs into the source, out of the sink or from a node to
+    itself are left out (no path from source to sink uses them)."""
+
+    def __init__(self) -> None:
+        self.n = 2
+        self.tails: list[int] = []
+        self.heads: list[int] = []
+        self.caps: list[int] = []
+
+    def node(self) -> int:
+        self.n += 1
+        return self.n - 1
+
+    def edge(self, u: int, v: int, c: int) -> None:
+        if u != v and u != _SNK and v != _SRC:
+            self.tails.append(u)
+            self.heads.append(v)
+            self.caps.append(c)
+
+    def max_flow(self) -> int:
+        if not self.tails:
+            return 0
+        finite = sum(c for c in self.caps if c < INF)
+        flow = max_flow.SimpleMaxFlow()
+        flow.add_arcs_with_capacity(np.array(self.tails, dtype=np.int64), np.array(self.heads, dtype=np.int64),
+                                    np.minimum(np.array(self.caps, dtype=np.int64), finite + 1))
+        status = flow.solve(_SRC, _SNK)
+        if status != flow.OPTIMAL:
+            raise RuntimeError(f"max flow failed ({status})")
+        return flow.optimal_flow()
 
 
 def _claimable(b, t: int) -> bool:

@@ -114,7 +114,7 @@ def step_bound(problem: Problem) -> int:
         # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared: that
         # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches
         units = {"bound_op": len(problem.ops), "bound_scan": b.scanned, "bound_edge": b.work,
-                 "bound_flow": b.flow_steps, "bound_state": b.region_states}
+                 "bound_flow": b.flow_steps, "bound_state": b.region_states, "joint_arc": b.joint_arcs}
         _SAME_SHAPE.appendleft((shape, value, units))
     for unit, n in units.items():
         clock.count(unit, n)
@@ -191,6 +191,7 @@ class _Bound:
         self.scanned, self.work = 0, 0  # tensors the per-op passes looked at, edges of the cut networks built
         self.flow_steps = 0  # edges the max flows scanned and advanced past (their work: phases x edges)
         self.region_states = 0  # states the region searches expanded (region_bound.py)
+        self.joint_arcs = 0  # arcs of the joint bound's checks (joint_bound.py)
         self.held_tangents = sum(self.size[t.id] for t in p.tensors if kinds[t.id] is TensorKind.TANGENT)
         self.fw_outputs = {t for t in p.outputs if self.fw_made[t]}
         # live at every backward step of every plan: inputs, the seeds the engine holds, the forward's step outputs

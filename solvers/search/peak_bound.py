@@ -58,6 +58,10 @@ copy one step before the reading step only when that step is its last reader). T
   them and their readers, every order and save/recompute choice of the region searched exactly (its docstring
   says why that is a bound).
 
+* **One save/recompute choice for all steps** (`joint_bound.py`): the families above each assume their own choice; one
+  recomputed set held at the caller's loss, every forward op and chosen backward ops at once (its docstring says why
+  that is a bound).
+
 The cuts are exact minimum cuts (a small Dinic max-flow); the backward ops are visited in the order of
 an upper bound of theirs, so most need no flow at all; once the networks built reach `WORK_BUDGET` edges
 the remaining ops keep their constant part (still a valid bound, and deterministic: no clock is read); the

@@ -32,7 +32,8 @@ over every S and every assignment, of the largest sum is a lower bound: a 0-1 pr
 (`_Master`). Not every backward op is put in (a 365-op Llama's would take minutes): the model starts with the
 START_POINTS highest and, after each solve, checks its S at other backward ops, each a minimum cut with S fixed
 (`_point_value`, the highest last value first, CHECKS of them at most), adding those above the solution's peak (ADD
-at most), until none is or ROUNDS solves are done. Each solve's proven bound holds whatever points it has (fewer
+at most), until none is, ROUNDS solves are done or the solves' work (SOLVE_DTIME, LOADS) or the checks' (CHECK_ARCS)
+is spent. Each solve's proven bound holds whatever points it has (fewer
 points: a relaxation of the same argument), so a limit reached early weakens the bound and never breaks it. The
 solves are deterministic (one worker, CP-SAT's deterministic time), so the same problem gets the same bound.
 """
@@ -54,10 +55,11 @@ from .flow import INF
 MAX_OPS = 400  # problems with more ops are left to the other families (each point's model is as large as the backward)
 START_POINTS = 3  # backward ops in the first solve (the highest upper bounds)
 CHECKS = 48  # backward ops whose minimum cut is checked against each solution, the highest last value first
-ADD = 8  # of those above the solution's peak, added to the next solve at most
+ADD = 4  # of those above the solution's peak, added to the next solve at most
 ROUNDS = 8  # solves at most
-SOLVE_DTIME = 0.3  # CP-SAT's deterministic time for all solves together (each takes what the ones before left)
-CHECK_ARCS = 1_000_000  # arcs of the checks' networks together; then no more checks
+SOLVE_DTIME = 0.15  # CP-SAT's deterministic time for all solves together (each takes what the ones before left)
+LOADS = 15_000  # constraints loaded by all solves together (each solve loads the whole model, built in Python)
+CHECK_ARCS = 500_000  # arcs of the checks' networks together; then no more checks
 WORK_UNIT = work_unit("joint")
 
 
@@ -69,13 +71,14 @@ class _Answer:
     optimal: bool
 
 
-def joint_bound(b, upper: dict[int, int], best: int) -> tuple[int, str]:
-    """The joint bound if above `best` (and where), else (best, ""). `b`: peak_bound's `_Bound`; `upper`: per backward
-    op, an upper bound of its point bound (the first points are the highest)."""
+def joint_bound(b, consts: dict, upper: dict[int, int], best: int) -> tuple[int, str]:
+    """The joint bound if above `best` (and where), else (best, ""). `b`: peak_bound's `_Bound` (its forward ops' bounds
+    computed); `consts`: per backward op, `_bw_const`; `upper`: per backward op, an upper bound of its point bound (the
+    first points are the highest)."""
     p = b.p
     if not p.has_backward or len(p.ops) > MAX_OPS:
         return best, ""
-    master = _Master(b, best)
+    master = _Master(b, consts, best)
     if not master.values:
         return best, ""
     order = sorted(master.consts, key=lambda o: (-upper.get(o, 0), o))
@@ -86,6 +89,8 @@ def joint_bound(b, upper: dict[int, int], best: int) -> tuple[int, str]:
     for _ in range(ROUNDS):
         answer = master.solve()
         if answer.peak < 0 or not answer.optimal or master.dtime_left <= 0 or b.joint_arcs >= arc_end:
+            break
+        if master.loaded + 1.25 * master.size() > LOADS:  # the next solve's model (with the ops it adds) would not fit
             break
         above = _points_above(b, master, answer, last, upper, arc_end)
         if not above:
@@ -119,7 +124,7 @@ def _points_above(b, master: _Master, answer: _Answer, last: dict[int, int], upp
 class _Master:
     """The 0-1 program of the module docstring, a backward op's constraints added at a time."""
 
-    def __init__(self, b, best: int):
+    def __init__(self, b, consts: dict, best: int):
         self.b, p = b, b.p
         self.unit = memory_unit(p)
         is_bw = [op.phase is Phase.BW for op in p.ops]
@@ -131,15 +136,19 @@ class _Master:
         self.value_set = set(self.values)
         self.bw_values = [t.id for t in p.tensors
                           if b.size[t.id] and (b.bw_made[t.id] or t.kind is TensorKind.TANGENT_FREED)]
-        self.consts = {op.id: b._bw_const(op) for op in p.bw_ops}
+        self.consts = consts
         self.m = m = cp_model.CpModel()
         self.r = {q: m.NewBoolVar(f"recompute_{q}") for q in self.rec}
         top = (sum(b.size) + sum(b.ws) + b.inputs) // self.unit + 1
         self.peak = m.NewIntVar(min(best // self.unit, top), top, "peak")
         self.points: dict[int, dict[int, object]] = {}  # backward op -> its A() per recomputable op
         self.dtime_left = SOLVE_DTIME
+        self.loaded = 0  # constraints the solves so far loaded
         self._forward_and_caller()
         m.Minimize(self.peak)
+
+    def size(self) -> int:
+        return len(self.m.Proto().constraints)
 
     def units(self, nbytes: int) -> int:
         return nbytes // self.unit
@@ -170,7 +179,7 @@ class _Master:
                      and anc >> p.tensors[w].producer & 1
                      and not any(desc >> q & 1 for q in b.readers[w] if p.ops[q].phase is Phase.FW)]
             if terms:
-                m.Add(self.peak >= self.units(b._forward(f)) + sum(terms))
+                m.Add(self.peak >= self.units(b.fw_values[f.id]) + sum(terms))
 
     def add_point(self, at: int) -> None:
         after = self._order_at(at)
@@ -279,6 +288,7 @@ class _Master:
         params.max_time_in_seconds = DETERMINISTIC_WALL_FACTOR * calibration.seconds(WORK_UNIT, self.dtime_left)
         status = run_solver(solver, self.m)
         self.dtime_left -= solver.deterministic_time
+        self.loaded += self.size()
         bound = math.floor(solver.BestObjectiveBound() + 1e-6)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return _Answer(bound if status == cp_model.UNKNOWN else 0, -1, frozenset(), False)

@@ -299,7 +299,7 @@ class _Bound:
         v, at = region_bounds(self, consts, upper, found, best)
         if v > best:
             best, where = v, at
-        v, at = joint_bound(self, upper, best)
+        v, at = joint_bound(self, consts, upper, best)
         if v > best:
             best, where = v, at
         self.where = where

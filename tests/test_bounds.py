@@ -234,7 +234,7 @@ def _check_solution(problem: Problem, plans_program, budget: int | None, sol) ->
     mine = replay(problem, sol.schedule)
     assert mine.peak_bytes == sim.peak_bytes and mine.time_s == pytest.approx(sim.time_s, rel=REL), what
     assert sol.stats.objective_s == pytest.approx(sim.time_s, rel=REL), what
-    assert sol.lower_bound_bytes == lower_bound_peak(problem)
+    assert sol.lower_bound_bytes == lower_bound_peak(problem, joint=True)
     assert sol.lower_bound_bytes <= sim.peak_bytes, f"peak bound above the plan's own peak: {what}"
     assert problem.host_bw == 0  # the claims below are the recompute-only ones
     fw, bw = base_orders(problem, sol.schedule)
@@ -274,7 +274,7 @@ def _solve_and_check(case) -> str:
     except BudgetInfeasibleError as e:
         # (d) what the error claims: the lowest peak found is real and over budget, the bound is a bound
         assert budget is not None
-        assert e.lower_bound_bytes == lower_bound_peak(problem)
+        assert e.lower_bound_bytes == lower_bound_peak(problem, joint=True)
         assert e.lowest_schedule is not None
         assert simulate(problem, e.lowest_schedule).peak_bytes == e.lowest_peak_bytes
         assert e.lowest_peak_bytes > budget

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from optsched.solvers import BudgetInfeasibleError, TensorKind, solve
 from optsched.solvers.search import joint_bound
 from optsched.solvers.search.heuristics import lower_bound_peak
-from optsched.solvers.search.peak_bound import _Bound, explain, step_bound
+from optsched.solvers.search.peak_bound import _Bound, _SAME_SHAPE, explain, step_bound
 from optsched.solvers.synthetic import chain_training_problem
 from tests.bruteforce import (describe, enumerate_plans, min_peak, sampled_placements, topological_fw_orders,
                               topological_orders, training_problems)
@@ -28,7 +28,13 @@ FIXED = settings(max_examples=examples(150), deadline=None, derandomize=True,
 def _without_joint(problem, monkeypatch) -> int:
     with monkeypatch.context() as m:
         m.setattr(joint_bound, "MAX_OPS", 0)
-        return _Bound(problem).value()
+        return step_bound(dataclasses.replace(problem), joint=True)
+
+
+def _with_joint(problem) -> int:
+    b = _Bound(problem)
+    b.value()
+    return b.joint()
 
 
 def _lowest_found(problem, bound: int) -> int:
@@ -50,7 +56,7 @@ def test_below_every_plan_tried_with_every_backward_op_in(problem, freed, seed):
     old = joint_bound.START_POINTS
     joint_bound.START_POINTS = len(problem.ops)
     try:
-        bound = _Bound(problem).value()
+        bound = _with_joint(problem)
     finally:
         joint_bound.START_POINTS = old
     fw_orders = topological_fw_orders(problem, limit=6)
@@ -65,8 +71,8 @@ def test_one_choice_for_every_step_raises_a_layer_chains_bound(monkeypatch):
     backward op assume what it reads saved; one recomputed set for all says more, and no plan found goes below it."""
     problem = chain_training_problem()
     alone = _without_joint(problem, monkeypatch)
-    bound = step_bound(problem)
-    assert bound > 1.1 * alone
+    bound = step_bound(problem, joint=True)
+    assert bound > 1.1 * alone and step_bound(problem) == alone  # the joint family only where asked for
     assert explain(problem)[1].startswith("over one save/recompute choice at ")
     assert bound <= _lowest_found(problem, bound)
 
@@ -74,8 +80,8 @@ def test_one_choice_for_every_step_raises_a_layer_chains_bound(monkeypatch):
 def test_the_same_bound_on_every_run():
     """One worker, CP-SAT's deterministic time: a copy of the problem (nothing kept) gets the same bound."""
     problem = chain_training_problem()
-    first = _Bound(dataclasses.replace(problem)).value()
-    assert all(_Bound(dataclasses.replace(problem)).value() == first for _ in range(2))
+    first = _with_joint(dataclasses.replace(problem))
+    assert all(_with_joint(dataclasses.replace(problem)) == first for _ in range(2))
 
 
 def test_left_out_above_its_op_limit(monkeypatch):
@@ -102,7 +108,28 @@ def test_torch_transformer_encoder_within_a_few_percent_of_its_lowest_plan(monke
     logits_problem = capture_problem(step, (ids,), device_profile="h100")
     problem = dataclasses.replace(logits_problem, host_bw=0.0)
     alone = _without_joint(problem, monkeypatch)
-    bound = lower_bound_peak(problem)
+    bound = lower_bound_peak(problem, joint=True)
     lowest = _lowest_found(problem, bound)
     assert lowest > 1.03 * alone, (lowest, alone)  # the point families alone: more than 3% below the lowest plan
     assert bound <= lowest <= 1.01 * bound, (lowest, bound, alone)
+
+
+def test_a_problem_like_one_bounded_before_is_charged_the_joint_familys_solves_again():
+    """Per structure (`_SAME_SHAPE`): a copy of a problem bounded before takes its bound without the work, and the clock
+    is charged that work again, the joint family's CP-SAT solves included (the plan may not depend on what the process
+    bounded before)."""
+    from optsched.solvers.model import clock
+
+    problem = chain_training_problem()
+    _SAME_SHAPE.clear()
+    with clock.deterministic(True):
+        before = clock.units_counted()
+        first = step_bound(dataclasses.replace(problem), joint=True)
+        middle = clock.units_counted()
+        again = step_bound(dataclasses.replace(problem), joint=True)
+        after = clock.units_counted()
+    spent = {u: middle[u] - before.get(u, 0) for u in middle}
+    charged = {u: after[u] - middle.get(u, 0) for u in after}
+    assert again == first
+    assert spent["cpsat_dtime_joint"] > 0 and charged["cpsat_dtime_joint"] == pytest.approx(spent["cpsat_dtime_joint"])
+    assert charged["joint_constraint"] == spent["joint_constraint"] > 0

@@ -53,7 +53,7 @@ def test_bound_below_brute_force_minimum(problem, freed):
 @settings(FIXED, max_examples=examples(60))
 @given(offload_problems())
 def test_bound_below_offloading_plans(problem):
-    bound = lower_bound_peak(problem)
+    bound = lower_bound_peak(problem, joint=True)
     base = default_schedule(problem)
     peaks = [simulate(problem, base).peak_bytes]
     rc = greedy_recompute(problem, bound)
@@ -108,7 +108,7 @@ def test_kept_on_the_problem_and_counted_once():
 def test_says_where_it_holds(monkeypatch):
     problem = chain_training_problem()
     value, where = explain(problem)
-    assert value == step_bound(problem) and where.startswith("over one save/recompute choice at ")
+    assert value == step_bound(problem, joint=True) and where.startswith("over one save/recompute choice at ")
     monkeypatch.setattr(joint_bound, "MAX_OPS", 0)  # the point families alone: one of them holds at a backward op
     value, where = explain(problem)
     assert any(where == f"at {o.name}" for o in problem.ops if o.phase is Phase.BW)

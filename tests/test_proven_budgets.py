@@ -60,7 +60,7 @@ def test_the_early_floor_never_refuses_a_budget_the_measured_bound_allows(monkey
 
 def test_solve_refuses_a_budget_below_its_bound_without_searching(monkeypatch):
     p = chain_training_problem(n_layers=6, seed=0)
-    lb = lower_bound_peak(p)
+    lb = lower_bound_peak(p, joint=True)  # the solve's
     monkeypatch.setattr(strategy, "run_portfolio", lambda *a, **k: pytest.fail("searched below the bound"))
     with pytest.raises(optsched.BudgetInfeasibleError) as info:
         solve(p, lb - 1, time_limit_s=30)

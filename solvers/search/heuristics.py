@@ -158,17 +158,18 @@ def full_recompute(problem: Problem) -> Schedule:
     )
 
 
-def lower_bound_peak(problem: Problem) -> int:
+def lower_bound_peak(problem: Problem, joint: bool = False) -> int:
     """A peak no plan of this problem can go below (every order, save/recompute/offload choice, storage reuse
     and set of formed fusion options the simulator accepts; see `peak_bound`): the larger of the simple
     bound (inputs, plus any one op's operands and scratch, or the step's outputs at the end, or, when the
     caller computes a loss between forward and backward, its memory with the tangents it makes) and
     `peak_bound.step_bound` (what must be live together at each op's step, minimized by a cut over the
     choices around it). Values a fusion option may keep inside its kernel count 0, and an op in an option
-    the smaller of its scratch and the option's. Its work is counted on the solvers' clock."""
+    the smaller of its scratch and the option's. Its work is counted on the solvers' clock. `joint`: with the
+    joint family (`peak_bound.step_bound`), as the solve asks for it inside its time limit."""
     from .peak_bound import step_bound
 
-    return max(simple_peak_bound(problem), step_bound(problem))
+    return max(simple_peak_bound(problem), step_bound(problem, joint))
 
 
 def simple_peak_bound(problem: Problem) -> int:

@@ -96,18 +96,20 @@ CHAIN_CHOICES = 32  # save/recompute combinations weighed per point at most (mor
 CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed (beyond: no claim about them)
 
 
-def step_bound(problem: Problem) -> int:
+def step_bound(problem: Problem, joint: bool = False) -> int:
     """The largest of the families of bounds above (0 for an empty problem), its work counted on the solvers'
-    clock (deterministic mode) wherever it is computed: every caller's wait includes it. Kept on the problem: the
+    clock (deterministic mode) wherever it is computed: every caller's wait includes it. `joint`: with the joint
+    family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve, inside its time limit,
+    not by the checks before it (floors, budgets, held outputs), whose time no limit holds. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
     then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
     that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
     share of the limit, and so the plan, must not depend on what this process bounded before)."""
-    key = _cache_key(problem)
-    cached = problem.__dict__.get("_step_bound")
+    key = _cache_key(problem), joint
+    cached = problem.__dict__.get("_step_bound", {}).get(joint)
     if cached is not None and cached[0] == key:
         return cached[1]
-    shape = _structure(problem), _limits()
+    shape = _structure(problem), _limits(), joint
     same = next(((value, units) for known, value, units in _SAME_SHAPE if known == shape), None)
     if same is not None:
         value, units = same
@@ -115,14 +117,25 @@ def step_bound(problem: Problem) -> int:
         with clock.stage("bound"):
             b = _Bound(problem)
             value = b.value()
+            before = clock.units_counted() if joint else {}
+            if joint:
+                value = max(value, b.joint())
+            counted = clock.units_counted() if joint else {}
         # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared: that
-        # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches
+        # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches; the joint family's
+        # solves count their own work as they run (kept here to be charged again on a hit)
         units = {"bound_op": len(problem.ops), "bound_scan": b.scanned, "bound_edge": b.work,
                  "bound_flow": b.flow_steps, "bound_state": b.region_states, "joint_arc": b.joint_arcs}
-        _SAME_SHAPE.appendleft((shape, value, units))
+        solved = {u: counted[u] - before.get(u, 0) for u in counted if counted[u] != before.get(u, 0)}
+        _SAME_SHAPE.appendleft((shape, value, {**units, **{f"solved:{u}": n for u, n in solved.items()}}))
+        units = {u: n for u, n in units.items()}
     for unit, n in units.items():
-        clock.count(unit, n)
-    problem.__dict__["_step_bound"] = (key, value)
+        if unit.startswith("solved:"):
+            if same is not None:  # a hit: the joint family's solves charged as if run
+                clock.count(unit.removeprefix("solved:"), n)
+        else:
+            clock.count(unit, n)
+    problem.__dict__.setdefault("_step_bound", {})[joint] = (key, value)
     return value
 
 
@@ -160,10 +173,11 @@ def _cache_key(p: Problem) -> tuple:
             p.host_budget_bytes, p.fusion_options)
 
 
-def explain(problem: Problem) -> tuple[int, str]:
-    """(the bound, where it holds: "at <op>" or "while the caller computes its loss")."""
+def explain(problem: Problem, joint: bool = True) -> tuple[int, str]:
+    """(the bound, where it holds: "at <op>" or "while the caller computes its loss"); `joint`: with the joint family."""
     b = _Bound(problem)
-    return b.value(), b.where
+    value = b.value()
+    return (b.joint(), b.where) if joint else (value, b.where)
 
 
 @dataclass
@@ -299,11 +313,17 @@ class _Bound:
         v, at = region_bounds(self, consts, upper, found, best)
         if v > best:
             best, where = v, at
-        v, at = joint_bound(self, consts, upper, best)
-        if v > best:
-            best, where = v, at
-        self.where = where
+        self.where, self.best, self.consts, self.upper = where, best, consts, upper
         return best
+
+    def joint(self) -> int:
+        """The bound with the joint family (`joint_bound.py`) too, after `value`."""
+        if not self.p.ops:
+            return 0
+        v, at = joint_bound(self, self.consts, self.upper, self.best)
+        if v > self.best:
+            self.best, self.where = v, at
+        return self.best
 
     def _caller(self, also: frozenset = frozenset()) -> int:
         """`also`: forward values the plan saves for the backward (their copies cross the caller's loss)."""

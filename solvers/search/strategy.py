@@ -217,7 +217,7 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
            hint: Schedule | None) -> Solution:
     wall0, t0 = time.perf_counter(), clock.now()
     baseline = simulate(problem, default_schedule(problem))
-    lower = lower_bound_peak(problem)  # its work counted: T includes the bound
+    lower = lower_bound_peak(problem, joint=True)  # its work counted: T includes the bound
     if budget is not None and budget < lower:  # proven: no search can find a plan, so none runs
         raise BudgetInfeasibleError(budget, baseline.peak_bytes, lower, default_schedule(problem),
                                     elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s, searched=False)

@@ -102,41 +102,58 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
     family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve, inside its time limit,
     not by the checks before it (floors, budgets, held outputs), whose time no limit holds. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
-    then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
+    then (with `joint`, only the joint family's work, the rest taken from the point families' state kept on the
+    problem). Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
     that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
     share of the limit, and so the plan, must not depend on what this process bounded before)."""
-    key = _cache_key(problem), joint
-    cached = problem.__dict__.get("_step_bound", {}).get(joint)
+    key = _cache_key(problem)
+    kept = problem.__dict__.setdefault("_step_bound", {})
+    cached = kept.get(joint)
     if cached is not None and cached[0] == key:
         return cached[1]
     shape = _structure(problem), _limits(), joint
     same = next(((value, units) for known, value, units in _SAME_SHAPE if known == shape), None)
+    state = problem.__dict__.get("_bound_state")
     if same is not None:
-        value, units = same
+        value, charge = same
+    elif joint and state is not None and state[0] == key and kept.get(False, (None,))[0] == key:
+        b = state[1]  # the point families done (and charged) for this very problem: the joint family alone
+        value, units, charge = _with_joint(b)
+        _SAME_SHAPE.appendleft((shape, value, {**_point_units(b), **units}))
     else:
         with clock.stage("bound"):
             b = _Bound(problem)
             value = b.value()
-            before = clock.units_counted() if joint else {}
-            if joint:
-                value = max(value, b.joint())
-            counted = clock.units_counted() if joint else {}
-        # per op, per tensor the per-op passes look at, per edge of the cut networks (not per op squared: that
-        # charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches; the joint family's
-        # solves count their own work as they run (kept here to be charged again on a hit)
-        units = {"bound_op": len(problem.ops), "bound_scan": b.scanned, "bound_edge": b.work,
-                 "bound_flow": b.flow_steps, "bound_state": b.region_states, "joint_arc": b.joint_arcs}
-        solved = {u: counted[u] - before.get(u, 0) for u in counted if counted[u] != before.get(u, 0)}
-        _SAME_SHAPE.appendleft((shape, value, {**units, **{f"solved:{u}": n for u, n in solved.items()}}))
-        units = {u: n for u, n in units.items()}
-    for unit, n in units.items():
-        if unit.startswith("solved:"):
-            if same is not None:  # a hit: the joint family's solves charged as if run
-                clock.count(unit.removeprefix("solved:"), n)
-        else:
-            clock.count(unit, n)
-    problem.__dict__.setdefault("_step_bound", {})[joint] = (key, value)
+        charge = _point_units(b)
+        if joint:
+            value, units, _ = _with_joint(b)
+            charge = {**charge, **units}
+        elif len(problem.ops) <= joint_family.MAX_OPS:
+            problem.__dict__["_bound_state"] = (key, b)
+        _SAME_SHAPE.appendleft((shape, value, charge))
+    for unit, n in charge.items():
+        if not unit.startswith("solved:") or same is not None:  # a hit: the joint family's solves charged as if run
+            clock.count(unit.removeprefix("solved:"), n)
+    kept[joint] = (key, value)
     return value
+
+
+def _point_units(b: _Bound) -> dict[str, float]:
+    """The point families' work: per op, per tensor the per-op passes look at, per edge of the cut networks (not per
+    op squared: that charged a 971-op Llama 4.9 s for 0.3 s of work), per state of the region searches."""
+    return {"bound_op": len(b.p.ops), "bound_scan": b.scanned, "bound_edge": b.work, "bound_flow": b.flow_steps,
+            "bound_state": b.region_states}
+
+
+def _with_joint(b: _Bound) -> tuple[int, dict[str, float], dict[str, float]]:
+    """(the bound with the joint family, its work, what to charge now): its solves charge themselves as they run and
+    are kept as "solved:<unit>" for a problem of the same structure to be charged again."""
+    arcs, before = b.joint_arcs, clock.units_counted()
+    with clock.stage("bound"):
+        value = b.joint()
+    after = clock.units_counted()
+    solved = {f"solved:{u}": after[u] - before.get(u, 0) for u in after if after[u] != before.get(u, 0)}
+    return value, {"joint_arc": b.joint_arcs - arcs, **solved}, {"joint_arc": b.joint_arcs - arcs}
 
 
 # (structure, bound, work) of the problems bounded last: a program's floor (its problem before op timing) and its

@@ -159,7 +159,7 @@ def _with_joint(b: _Bound) -> tuple[int, dict[str, float], dict[str, float]]:
 # (structure, bound, work) of the problems bounded last: a program's floor (its problem before op timing) and its
 # measured problem differ in op times alone where nothing measured changes a size, scratch or in-place write (a
 # Llama's on the CPU: 0.8-1.5 s of wall time twice in a 5 s limit), and times do not enter the bound
-_SAME_SHAPE: deque[tuple[tuple, int, dict[str, int]]] = deque(maxlen=4)
+_SAME_SHAPE: deque[tuple[tuple, int, dict[str, float]]] = deque(maxlen=8)  # with and without the joint family: 4 structures
 
 
 def _structure(p: Problem) -> tuple:

@@ -102,8 +102,7 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
     family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve, inside its time limit,
     not by the checks before it (floors, budgets, held outputs), whose time no limit holds. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
-    then (with `joint`, only the joint family's work, the rest taken from the point families' state kept on the
-    problem). Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
+    then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
     that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
     share of the limit, and so the plan, must not depend on what this process bounded before)."""
     key = _cache_key(problem)
@@ -113,13 +112,8 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
         return cached[1]
     shape = _structure(problem), _limits(), joint
     same = next(((value, units) for known, value, units in _SAME_SHAPE if known == shape), None)
-    state = problem.__dict__.get("_bound_state")
     if same is not None:
         value, charge = same
-    elif joint and state is not None and state[0] == key and kept.get(False, (None,))[0] == key:
-        b = state[1]  # the point families done (and charged) for this very problem: the joint family alone
-        value, units, charge = _with_joint(b)
-        _SAME_SHAPE.appendleft((shape, value, {**_point_units(b), **units}))
     else:
         with clock.stage("bound"):
             b = _Bound(problem)
@@ -128,8 +122,6 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
         if joint:
             value, units, _ = _with_joint(b)
             charge = {**charge, **units}
-        elif len(problem.ops) <= joint_family.MAX_OPS:
-            problem.__dict__["_bound_state"] = (key, b)
         _SAME_SHAPE.appendleft((shape, value, charge))
     for unit, n in charge.items():
         if not unit.startswith("solved:") or same is not None:  # a hit: the joint family's solves charged as if run

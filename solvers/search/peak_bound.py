@@ -100,7 +100,8 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
     """The largest of the families of bounds above (0 for an empty problem), its work counted on the solvers'
     clock (deterministic mode) wherever it is computed: every caller's wait includes it. `joint`: with the joint
     family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve, inside its time limit,
-    not by the checks before it (floors, budgets, held outputs), whose time no limit holds. Kept on the problem: the
+    at tight budgets (`strategy.JOINT_NEAR`), not by the checks before it (floors, budgets, held outputs), whose time
+    no limit holds. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
     then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
     that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
@@ -120,7 +121,7 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
             value = b.value()
         charge = _point_units(b)
         if joint:
-            value, units, _ = _with_joint(b)
+            value, units = _with_joint(b)
             charge = {**charge, **units}
         _SAME_SHAPE.appendleft((shape, value, charge))
     for unit, n in charge.items():
@@ -137,15 +138,15 @@ def _point_units(b: _Bound) -> dict[str, float]:
             "bound_state": b.region_states}
 
 
-def _with_joint(b: _Bound) -> tuple[int, dict[str, float], dict[str, float]]:
-    """(the bound with the joint family, its work, what to charge now): its solves charge themselves as they run and
-    are kept as "solved:<unit>" for a problem of the same structure to be charged again."""
+def _with_joint(b: _Bound) -> tuple[int, dict[str, float]]:
+    """(the bound with the joint family, its work): its solves charge themselves as they run and are kept as
+    "solved:<unit>", for a problem of the same structure to be charged again."""
     arcs, before = b.joint_arcs, clock.units_counted()
     with clock.stage("bound"):
         value = b.joint()
     after = clock.units_counted()
     solved = {f"solved:{u}": after[u] - before.get(u, 0) for u in after if after[u] != before.get(u, 0)}
-    return value, {"joint_arc": b.joint_arcs - arcs, **solved}, {"joint_arc": b.joint_arcs - arcs}
+    return value, {"joint_arc": b.joint_arcs - arcs, **solved}
 
 
 # (structure, bound, work) of the problems bounded last: a program's floor (its problem before op timing) and its
@@ -170,7 +171,7 @@ def _fields_but(cls: type, *skip: str) -> Callable[[object], tuple]:
 
 
 def _limits() -> tuple:
-    """The searches' limits (this module's and region_bound's constants), read now (a test lowers some): a bound
+    """The searches' limits (this module's, region_bound's and joint_bound's constants), read now (a test lowers some): a bound
     found under other limits is another bound."""
     return tuple((m.__name__, k, v) for m in (sys.modules[__name__], region_bound, joint_family) for k, v in sorted(vars(m).items())
                  if k.isupper() and not k.startswith("_") and isinstance(v, (int, float)))

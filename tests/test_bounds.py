@@ -268,8 +268,7 @@ def _check_solution(problem: Problem, plans_program, budget: int | None, sol) ->
 
 def _solves_bound(problem, budget) -> int:
     """The bound `solve` reports: with the joint family at a budget under JOINT_NEAR times the point families'."""
-    near = budget is not None and budget < strategy.JOINT_NEAR * lower_bound_peak(problem)
-    return lower_bound_peak(problem, joint=near)
+    return strategy.peak_bound_for(problem, budget)
 
 
 def _solve_and_check(case) -> str:

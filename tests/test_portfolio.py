@@ -277,7 +277,7 @@ def test_the_swap_search_walks_across_a_flat_peak(monkeypatch):
     from optsched.solvers.search import starts
 
     p = chain_training_problem(n_layers=7, seed=0)
-    budget = lower_bound_peak(p, joint=True)
+    budget = lower_bound_peak(p)
 
     def lowest() -> tuple[int, Incumbent]:
         inc = Incumbent(p, budget)
@@ -301,7 +301,7 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
     import dataclasses
 
     p = chain_training_problem(n_layers=14, seed=0)
-    budget = lower_bound_peak(p, joint=True)  # out of reach, not proven so: below the bound no search runs (issue 33)
+    budget = lower_bound_peak(p)  # out of reach, not proven so: below the bound no search runs (issue 33)
     slices = []
 
     def recorded(ctx, inc, deadline):
@@ -327,7 +327,7 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
 
 def test_below_the_proven_bound_the_error_is_no_time_limit_even_when_aiming_lower_ran_out_of_time():
     p = chain_training_problem(n_layers=14, seed=0)
-    budget = lower_bound_peak(p, joint=True) - 1
+    budget = lower_bound_peak(p) - 1
     with pytest.raises(strategy.BudgetInfeasibleError) as e:
         solve(p, budget, time_limit_s=1.5, deterministic=True)
     assert type(e.value) is strategy.BudgetInfeasibleError and e.value.proven
@@ -346,7 +346,7 @@ def test_offloading_allowed_and_nothing_fitting_the_segment_search_starts_from_t
     base = simulate(p, plain)
     offloaded, osim = offload_towards(p, plain, int(0.8 * base.peak_bytes))
     assert offloaded.offload and osim.peak_bytes < base.peak_bytes
-    budget = lower_bound_peak(p, joint=True)  # out of reach
+    budget = lower_bound_peak(p)  # out of reach
     inc = Incumbent(p, budget)
     inc.offer(plain, "plain")
     inc.offer(offloaded, "offloaded")

@@ -60,11 +60,11 @@ def test_the_early_floor_never_refuses_a_budget_the_measured_bound_allows(monkey
 
 def test_solve_refuses_a_budget_below_its_bound_without_searching(monkeypatch):
     p = chain_training_problem(n_layers=6, seed=0)
-    lb = lower_bound_peak(p, joint=True)  # the solve's
+    lb = lower_bound_peak(p)
     monkeypatch.setattr(strategy, "run_portfolio", lambda *a, **k: pytest.fail("searched below the bound"))
     with pytest.raises(optsched.BudgetInfeasibleError) as info:
         solve(p, lb - 1, time_limit_s=30)
     e = info.value
-    assert e.proven and not e.searched and e.lower_bound_bytes == lb and e.elapsed_s < 5
+    assert e.proven and not e.searched and e.lower_bound_bytes == lower_bound_peak(p, joint=True) and e.elapsed_s < 5
     assert e.lowest_schedule is not None and e.lowest_peak_bytes == simulate(p, default_schedule(p)).peak_bytes
     assert "refused before any search" in str(e)

@@ -35,6 +35,7 @@ from optsched.solvers.cpsat.bound import solve_bound_and_repair
 from optsched.solvers.cpsat.order import solve_order
 from optsched.solvers.cpsat.remat import solve_remat
 from optsched.solvers.search.heuristics import full_recompute, greedy_recompute, lower_bound_peak, place_recomputes
+from optsched.solvers.search.strategy import peak_bound_for
 from optsched.solvers.search.heuristics import base_orders
 from optsched.solvers.synthetic import chain_training_problem, parallel_paths_problem
 from tests.bruteforce import least_time_within, replay, topological_fw_orders
@@ -528,7 +529,7 @@ def test_solve_plans_the_seed_paths_at_0_75_mib():
 
 
 def check_solve_under_budget(problem: Problem, budget: int, *, retry_lowest: bool = False) -> None:
-    lb = lower_bound_peak(problem)
+    lb = peak_bound_for(problem, budget)  # the solve's (with the joint family below the point families')
     try:
         sol = solve(problem, budget, time_limit_s=TIME_LIMIT_S)
     except BudgetInfeasibleError as e:
@@ -592,8 +593,8 @@ def test_budget_below_the_lower_bound_is_infeasible():
     lb = lower_bound_peak(p)
     with pytest.raises(BudgetInfeasibleError) as info:
         solve(p, lb - 1, time_limit_s=TIME_LIMIT_S)
-    e = info.value
-    assert e.budget_bytes == lb - 1 < e.lower_bound_bytes == lb <= e.lowest_peak_bytes
+    e = info.value  # refused, it is told the joint family's bound (stronger here)
+    assert e.budget_bytes == lb - 1 < lb < e.lower_bound_bytes == lower_bound_peak(p, joint=True) <= e.lowest_peak_bytes
     assert "MiB" in str(e)
 
 
@@ -657,7 +658,7 @@ def test_lower_bound_is_below_solved_plans(problem, frac):
     try:
         sol = solve(problem, int(lb + frac * (base - lb)), time_limit_s=TIME_LIMIT_S)
     except BudgetInfeasibleError as e:
-        assert e.lower_bound_bytes == lb <= e.lowest_peak_bytes
+        assert e.lower_bound_bytes == peak_bound_for(problem, e.budget_bytes) <= e.lowest_peak_bytes
     else:
         assert lb <= sol.sim.peak_bytes
 
@@ -668,7 +669,7 @@ def test_lower_bound_is_below_plans_on_the_chain(frac):
     lb = lower_bound_peak(p)
     base = simulate(p, default_schedule(p)).peak_bytes
     sol = solve(p, int(frac * base), time_limit_s=TIME_LIMIT_S)
-    assert sol.lower_bound_bytes == lb <= sol.sim.peak_bytes
+    assert sol.lower_bound_bytes == peak_bound_for(p, int(frac * base)) and lb <= sol.sim.peak_bytes
     for plan in known_plans(p):
         assert lb <= simulate(p, plan).peak_bytes
 

@@ -68,6 +68,8 @@ class Floors:
         outputs = sum(p.tensors[i].bytes for i in p.outputs if p.tensors[i].kind is not TensorKind.INPUT)
         unplanned = simulate(p, default_schedule(p)).peak_bytes
         bound = 0 if budget is not None and budget >= unplanned else lower_bound_peak(p)  # no plan goes below
+        if budget is not None and budget < bound:  # refused: the bound the solve would report (the joint family's)
+            bound = lower_bound_peak(p, joint=True)
         return Floor(bound, inputs + outputs, unplanned)
 
     def counts_tried(self, chains: list[Chain]) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from ..settings import PlanningSettings
 from ..solvers import BudgetInfeasibleError, TensorKind, default_schedule, simulate
 from ..solvers.model.problem import FusionOption
 from ..solvers.search.fusion_groups import find_groups
-from ..solvers.search.heuristics import lower_bound_peak
+from ..solvers.search.strategy import peak_bound_for
 from .errors import chunked_infeasible, why_not_chunked
 from .fusion import Fusion
 from .op_costs import CostsOf
@@ -67,9 +67,8 @@ class Floors:
         inputs = sum(x.bytes for x in p.tensors if x.kind is TensorKind.INPUT)
         outputs = sum(p.tensors[i].bytes for i in p.outputs if p.tensors[i].kind is not TensorKind.INPUT)
         unplanned = simulate(p, default_schedule(p)).peak_bytes
-        bound = 0 if budget is not None and budget >= unplanned else lower_bound_peak(p)  # no plan goes below
-        if budget is not None and budget < bound:  # refused: the bound the solve would report (the joint family's)
-            bound = lower_bound_peak(p, joint=True)
+        # no plan goes below; a budget it refuses is told the bound the solve would tell it
+        bound = 0 if budget is not None and budget >= unplanned else peak_bound_for(p, budget)
         return Floor(bound, inputs + outputs, unplanned)
 
     def counts_tried(self, chains: list[Chain]) -> tuple[int, ...]:

@@ -132,7 +132,7 @@ class _Master:
         self.rec = [op.id for op in p.fw_ops if b.recomputable[op.id]]
         rec = set(self.rec)
         self.rec_readers = [[q for q in b.readers[t.id] if q in rec] for t in p.tensors]
-        self.values = [t.id for t in p.tensors if _claimable(b, t.id) and (self.bw_readers[t.id] or self.rec_readers[t.id])]
+        self.values = [t.id for t in p.tensors if b.claimable(t.id) and (self.bw_readers[t.id] or self.rec_readers[t.id])]
         self.value_set = set(self.values)
         self.bw_values = [t.id for t in p.tensors
                           if b.size[t.id] and (b.bw_made[t.id] or t.kind is TensorKind.TANGENT_FREED)]
@@ -397,7 +397,3 @@ class _Arcs:
         if status != flow.OPTIMAL:
             raise RuntimeError(f"max flow failed ({status})")
         return flow.optimal_flow()
-
-
-def _claimable(b, t: int) -> bool:
-    return b.fw_made[t] and t not in b.fw_outputs and b.size[t] > 0 and not b.offloadable[t]

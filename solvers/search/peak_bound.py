@@ -112,21 +112,22 @@ def step_bound(problem: Problem, joint: bool = False) -> int:
     if cached is not None and cached[0] == key:
         return cached[1]
     shape = _structure(problem), _limits(), joint
-    same = next(((value, units) for known, value, units in _SAME_SHAPE if known == shape), None)
-    if same is not None:
-        value, charge = same
+    same = next(((value, units, solved) for known, value, units, solved in _SAME_SHAPE if known == shape), None)
+    if same is not None:  # a hit: the joint family's solves are charged as if run too
+        value, units, solved = same
+        charge = {**units, **solved}
     else:
         with clock.stage("bound"):
             b = _Bound(problem)
             value = b.value()
-        charge = _point_units(b)
+        units, solved = _point_units(b), {}
         if joint:
-            value, units = _with_joint(b)
-            charge = {**charge, **units}
-        _SAME_SHAPE.appendleft((shape, value, charge))
+            value, arcs, solved = _with_joint(b)
+            units = {**units, **arcs}
+        _SAME_SHAPE.appendleft((shape, value, units, solved))
+        charge = units  # the solves charged themselves as they ran
     for unit, n in charge.items():
-        if not unit.startswith("solved:") or same is not None:  # a hit: the joint family's solves charged as if run
-            clock.count(unit.removeprefix("solved:"), n)
+        clock.count(unit, n)
     kept[joint] = (key, value)
     return value
 
@@ -138,21 +139,22 @@ def _point_units(b: _Bound) -> dict[str, float]:
             "bound_state": b.region_states}
 
 
-def _with_joint(b: _Bound) -> tuple[int, dict[str, float]]:
-    """(the bound with the joint family, its work): its solves charge themselves as they run and are kept as
-    "solved:<unit>", for a problem of the same structure to be charged again."""
+def _with_joint(b: _Bound) -> tuple[int, dict[str, float], dict[str, float]]:
+    """(the bound with the joint family, its checks' work, its solves' work): the solves charge themselves as they run;
+    kept for a problem of the same structure to be charged again."""
     arcs, before = b.joint_arcs, clock.units_counted()
     with clock.stage("bound"):
         value = b.joint()
     after = clock.units_counted()
-    solved = {f"solved:{u}": after[u] - before.get(u, 0) for u in after if after[u] != before.get(u, 0)}
-    return value, {"joint_arc": b.joint_arcs - arcs, **solved}
+    solved = {u: after[u] - before.get(u, 0) for u in after if after[u] != before.get(u, 0)}
+    return value, {"joint_arc": b.joint_arcs - arcs}, solved
 
 
-# (structure, bound, work) of the problems bounded last: a program's floor (its problem before op timing) and its
-# measured problem differ in op times alone where nothing measured changes a size, scratch or in-place write (a
-# Llama's on the CPU: 0.8-1.5 s of wall time twice in a 5 s limit), and times do not enter the bound
-_SAME_SHAPE: deque[tuple[tuple, int, dict[str, float]]] = deque(maxlen=8)  # with and without the joint family: 4 structures
+# (structure, bound, work, the joint family's solves' work) of the problems bounded last, with and without it: a
+# program's floor (its problem before op timing) and its measured problem differ in op times alone where nothing
+# measured changes a size, scratch or in-place write (a Llama's on the CPU: 0.8-1.5 s of wall time twice in a 5 s
+# limit), and times do not enter the bound
+_SAME_SHAPE: deque[tuple[tuple, int, dict[str, float], dict[str, float]]] = deque(maxlen=8)
 
 
 def _structure(p: Problem) -> tuple:
@@ -254,6 +256,11 @@ class _Bound:
         self.has_backward = p.has_backward
 
     # ------------------------------------------------------------------ helpers
+
+    def claimable(self, t: int) -> bool:
+        """A forward value the plan decides about: made by the forward, held by nobody outside, on the device, taking
+        memory (the chained, region and joint families claim only these)."""
+        return self.fw_made[t] and t not in self.fw_outputs and self.size[t] > 0 and not self.offloadable[t]
 
     def _pinned(self, t: int) -> bool:
         """A forward value the backward can only read through its original copy, on the device."""
@@ -562,9 +569,7 @@ class _Bound:
         CHAIN_CHOICES combinations."""
         p = self.p
         desc = self.desc[b.id]
-
-        def claimable(t: int) -> bool:
-            return (self.fw_made[t] and t not in self.fw_outputs and self.size[t] > 0 and not self.offloadable[t])
+        claimable = self.claimable
 
         def read_after(t: int) -> bool:  # by a descendant of b, in every plan after b
             return any(desc >> r & 1 for r in self.readers[t] if p.ops[r].phase is Phase.BW)

@@ -109,13 +109,8 @@ def region_bounds(b, consts: dict, upper: dict, found: dict, best: int) -> tuple
     return best, where
 
 
-def _claimable(b, t: int) -> bool:
-    """A forward value the plan decides about: made by the forward, held by nobody outside, on the device."""
-    return b.fw_made[t] and t not in b.fw_outputs and b.size[t] > 0 and not b.offloadable[t]
-
-
 def _claimable_operands(b, op_id: int) -> list[int]:
-    return [t for t in dict.fromkeys(b.p.ops[op_id].inputs) if _claimable(b, t)]
+    return [t for t in dict.fromkeys(b.p.ops[op_id].inputs) if b.claimable(t)]
 
 
 def _operand_bytes(b, op_id: int) -> int:
@@ -133,7 +128,7 @@ def _region(b, seed: int) -> _Region | None:
             if prod in producers or not b.recomputable[prod] or len(producers) >= REGION_PRODUCERS:
                 continue
             producers.append(prod)
-            nxt.extend(u for u in dict.fromkeys(p.ops[prod].inputs) if _claimable(b, u))
+            nxt.extend(u for u in dict.fromkeys(p.ops[prod].inputs) if b.claimable(u))
         frontier = nxt
     if not producers:
         return None
@@ -150,7 +145,7 @@ def _region(b, seed: int) -> _Region | None:
     for o in ops:
         for t in dict.fromkeys(p.ops[o].inputs):
             reads[t] = reads.get(t, 0) + 1
-    made = {t for q in producers for t in p.ops[q].outputs if _claimable(b, t)}
+    made = {t for q in producers for t in p.ops[q].outputs if b.claimable(t)}
     made |= {t for o in ops for t in p.ops[o].outputs if b.size[t] and reads.get(t)}
     shared = {t for t, n in reads.items() if n > 1 and b.size[t] and t not in b.input_ids
               and p.tensors[t].kind is not TensorKind.TANGENT and t not in b.fw_outputs and not b.offloadable[t]}
@@ -174,7 +169,7 @@ class _Search:
             self.cut[o] = const + b._cut(p.ops[o], skip | counted)
         self.skips = {o: consts[o][1] for o in region.ops}
         self.producer_outputs = {t for q in region.producers for t in p.ops[q].outputs}
-        self.claimed = frozenset(t for t in self.producer_outputs if _claimable(b, t))
+        self.claimed = frozenset(t for t in self.producer_outputs if b.claimable(t))
         self.readers = {r for t in self.claimed for r in b.readers[t] if p.ops[r].phase is Phase.BW}
         in_region = set(region.ops)
         before = {q for q in upper if q not in in_region and any(b.anc[o] >> q & 1 for o in region.ops)}
@@ -245,7 +240,7 @@ class _Search:
         reads, live at every forward op after the producer, while the caller computes its loss, and at every
         backward op that runs before a reader."""
         b, p = self.b, self.b.p
-        saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if _claimable(b, t)]
+        saved = [t for q in self.r.producers if q not in recomputed for t in p.ops[q].outputs if b.claimable(t)]
         saved = [t for t in (*saved, *held) if any(p.ops[r].phase is Phase.BW for r in b.readers[t])]
         most = 0
         if saved and b.has_backward:  # the caller's loss, between the forward and the backward

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from optsched.solvers import BudgetInfeasibleError, TensorKind, solve
+from optsched.solvers import BudgetInfeasibleError, Op, Phase, Problem, Tensor, TensorKind, solve
 from optsched.solvers.search import joint_bound
 from optsched.solvers.search.heuristics import lower_bound_peak
 from optsched.solvers.search.peak_bound import _Bound, _SAME_SHAPE, explain, step_bound
@@ -75,6 +75,34 @@ def test_one_choice_for_every_step_raises_a_layer_chains_bound(monkeypatch):
     assert bound > 1.1 * alone and step_bound(problem) == alone  # the joint family only where asked for
     assert explain(problem)[1].startswith("over one save/recompute choice at ")
     assert bound <= _lowest_found(problem, bound)
+
+
+def _dropout_under_a_recomputable_add() -> Problem:
+    """x -> dropout -> add(., x) -> heavy -> loss (with scratch space); the heavy op's backward reads the add's output.
+    At the loss either the add's output is kept, or the dropout's (not recomputable) for the add's recomputation."""
+    fw, bw, act = Phase.FW, Phase.BW, TensorKind.ACTIVATION
+    tensors = [Tensor(0, "x", 64, TensorKind.INPUT), Tensor(1, "d", 1000, act, 0), Tensor(2, "y", 1000, act, 1),
+               Tensor(3, "h", 2000, act, 2), Tensor(4, "loss", 4, act, 3), Tensor(5, "tangent", 4, TensorKind.TANGENT),
+               Tensor(6, "g_h", 2000, act, 4), Tensor(7, "g_y", 1000, act, 5), Tensor(8, "g_d", 1000, act, 6),
+               Tensor(9, "g_x", 64, act, 7)]
+    ops = [Op(0, "dropout", fw, (0,), (1,), 1e-6, recomputable=False), Op(1, "add", fw, (1, 0), (2,), 1e-6),
+           Op(2, "heavy", fw, (2,), (3,), 1e-6), Op(3, "loss", fw, (3,), (4,), 1e-6, workspace_bytes=1500),
+           Op(4, "loss_bw", bw, (5,), (6,), 1e-6), Op(5, "heavy_bw", bw, (6, 2), (7,), 1e-6),
+           Op(6, "add_bw", bw, (7,), (8,), 1e-6), Op(7, "dropout_bw", bw, (8,), (9,), 1e-6)]
+    return Problem(ops, tensors, outputs=frozenset({4, 9}), name="dropout")
+
+
+def test_a_value_only_recomputations_read_counts_while_the_forward_holds_it():
+    """The dropout's output is read by no backward op, only by the add's recomputation: when the add is recomputed
+    it is held from the forward to the backward, as the add's output would be when saved. The bound is the least
+    peak over every plan (at the loss: the input, the heavy op's output, the loss, its scratch and one of the two)."""
+    problem = _dropout_under_a_recomputable_add()
+    bound = _with_joint(problem)
+    fw_orders = topological_fw_orders(problem, limit=6)
+    best = min(min_peak(enumerate_plans(problem, fo, bo)) for fo in fw_orders
+               for bo in topological_orders(problem, [o.id for o in problem.bw_ops], 6))
+    assert bound == best == 64 + 2000 + 4 + 1500 + 1000, (bound, best)
+    assert step_bound(problem) < bound
 
 
 def test_the_same_bound_on_every_run():

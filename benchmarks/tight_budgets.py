@@ -15,8 +15,8 @@ bound, time vs eager, plan s.
 
 Lowest feasible (``lowest_feasible``), plans only (no step run) until the end:
   1. the budgets above are the first probes: the lowest predicted peak of a plan that fits is the
-     best so far; the highest budget declared infeasible is the floor; the lowest reported lower
-     bound caps how low a probe goes;
+     best so far; the highest budget declared infeasible is the floor; the proven bound (``case_bound``:
+     the least any row reports, raised to the highest an infeasible row reports) caps how low a probe goes;
   2. if a ``BudgetInfeasibleError`` reported a lowest peak L below the best so far (and more than 0.2%
      of eager's peak above the floor), the next probe is a budget of exactly L, passing that error back
      (``optimize(..., start_from=error)``, as its message says): the plan it found is the start;
@@ -218,6 +218,15 @@ def _fits(row: dict) -> bool:
     return "predicted_peak_bytes" in row and not row.get("infeasible") and "error" not in row
 
 
+def case_bound(rows: list[dict]) -> int:
+    """The proven bound of one case's plans: the least any row reports (a plan's is about the problem it planned,
+    perhaps one holding outputs for the caller), raised to the highest an infeasible row reports (an error's is about
+    the program as captured, below every plan of the case: the joint family's where the search took it)."""
+    bounds = [r["lower_bound_bytes"] for r in rows if r.get("lower_bound_bytes")]
+    failed = [r["lower_bound_bytes"] for r in rows if r.get("infeasible") and r.get("lower_bound_bytes")]
+    return max([min(bounds, default=0), *failed])
+
+
 def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: list[dict], time_limit_s, repeat: int,
                     probes: int, targets: list[int] = ()) -> dict:
     """The lowest budget at which a plan is found (method in the module docstring); ``known`` are the rows of
@@ -225,8 +234,7 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
     case, each probed once more after the search when it is below the best found."""
     eager_peak = eager["measured_peak_bytes"]
     t_start = time.perf_counter()
-    bounds = [r["lower_bound_bytes"] for r in known if r.get("lower_bound_bytes")]
-    bound = min(bounds) if bounds else 0
+    bound = case_bound(known)
     floor = max([r["budget_bytes"] for r in known if r.get("infeasible")], default=0)
     feasible = [r for r in known if _fits(r)]
     best_peak = min((r["predicted_peak_bytes"] for r in feasible), default=None)
@@ -272,8 +280,7 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         row = probe(budget, why)
         if row.get("infeasible"):
             floor = max(floor, budget)
-            if row.get("lower_bound_bytes"):
-                bound = min(bound, row["lower_bound_bytes"]) if bound else row["lower_bound_bytes"]
+            bound = max(bound, row.get("lower_bound_bytes") or 0)
     for target in sorted(set(targets)):  # does this run reach what another did? (its search path may miss it)
         if (best_peak is None or target < best_peak) and target not in tried and target >= bound:
             probe(target, "another run's lowest feasible")

@@ -308,9 +308,10 @@ def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
         slices.append(deadline - clock.now())
         strategy.aim_lower(ctx, inc, deadline)
 
-    # without the swap search, which reaches the same lowest peak here on its own (and so would hide the effect)
+    # without the swap search, which reaches the same lowest peak here on its own (and so would hide the effect), and
+    # the joint bound, which proves this budget out of reach and so stops the search before aiming lower
     table = tuple((dataclasses.replace(m, run=recorded) if m is strategy.AIM_LOWER else m, w)
-                  for m, w in strategy.TIME_TABLE if m is not moves.RECOMPUTE_SWAPS)
+                  for m, w in strategy.TIME_TABLE if m not in (moves.RECOMPUTE_SWAPS, strategy.JOINT_FLOOR))
 
     def lowest() -> int:
         with pytest.raises(strategy.BudgetInfeasibleError) as e:
@@ -366,3 +367,26 @@ def test_offloading_allowed_and_nothing_fitting_the_segment_search_starts_from_t
     roomy.offer(plain, "plain")
     moves.segment_search(dataclasses.replace(ctx, budget=base.peak_bytes), roomy, clock.now() + 1.0)
     assert started[-1] == (plain, True)
+
+
+def test_a_budget_under_the_joint_bound_ends_the_search_proven_out_of_reach(monkeypatch):
+    """A budget between the point families' bound and the joint family's: the search runs (the point bound does not
+    refuse it), finds nothing, and the joint bound, taken once nothing fits, proves the budget out of reach: the
+    error says so (not "out of time"), with the joint bound, and the search stops there instead of aiming lower."""
+    p = chain_training_problem(n_layers=14, seed=0)
+    point, joint = lower_bound_peak(p), lower_bound_peak(p, joint=True)
+    assert joint > point
+    budget = (point + joint) // 2
+    aimed = []
+    table = tuple((dataclasses.replace(m, run=lambda *a: aimed.append(1)) if m is strategy.AIM_LOWER else m, w)
+                  for m, w in strategy.TIME_TABLE)
+    monkeypatch.setattr(strategy, "TIME_TABLE", table)
+    with pytest.raises(strategy.BudgetInfeasibleError) as e:
+        solve(p, budget, time_limit_s=5.0, deterministic=True)
+    assert type(e.value) is strategy.BudgetInfeasibleError and e.value.searched
+    assert e.value.lower_bound_bytes == joint <= e.value.lowest_peak_bytes
+    assert not aimed
+    monkeypatch.setattr(strategy, "TIME_TABLE", tuple((m, w) for m, w in table if m is not strategy.JOINT_FLOOR))
+    with pytest.raises(strategy.BudgetInfeasibleError) as e:
+        solve(p, budget, time_limit_s=5.0, deterministic=True)
+    assert e.value.lower_bound_bytes == point and aimed  # without it: the point bound, and aiming lower ran

@@ -21,7 +21,7 @@ from ..model import clock
 from ..model.problem import Problem, Schedule, collecting_rejections, default_schedule
 from ..model.simulator import simulate
 from ..progress import Display, ProgressLine
-from . import moves
+from . import joint_bound, moves
 from .certify import certify
 from .heuristics import lower_bound_peak
 from .incumbent import Incumbent
@@ -74,6 +74,22 @@ def aim_lower(ctx: Context, inc: Incumbent, deadline: float) -> None:
 
 
 AIM_LOWER = Move("aim lower", moves.SEGMENTS.applies, aim_lower, wanted=lambda inc: not inc.found)
+
+JOINT_S_PER_OP = 0.004  # of the clock: the joint family's work (its solves, constraints loaded, min cuts) counted for
+# the bench-size zoo's tight budgets, 0.29 s at 132 ops (ViT) to 1.17-1.39 s at 358-365 (Llama): it runs when that is left
+
+
+def joint_floor(ctx: Context, inc: Incumbent, deadline: float) -> None:
+    """Nothing fits after the starts and the improvers' first turns: the joint save/recompute bound
+    (search/joint_bound.py), its work on the clock. It raises the floor aiming lower aims at, and a budget under it
+    is proven out of reach: the search stops there (`_turn`) and says so. OPT (bench size) at 13.3 MiB: the point
+    families' 12.40 MiB left aiming lower its whole time; the joint family proves 13.41, the lowest plan's peak."""
+    if deadline - clock.now() >= JOINT_S_PER_OP * len(ctx.problem.ops):
+        ctx.lower = max(ctx.lower, lower_bound_peak(ctx.problem, joint=True))
+
+
+JOINT_FLOOR = Move("joint bound", lambda c: c.training and c.budget is not None
+                   and len(c.problem.ops) <= joint_bound.MAX_OPS, joint_floor, wanted=lambda inc: not inc.found)
 REST = None  # a weight: the move reserves nothing, and gets all the time left when its turn comes
 TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the order they run
     (moves.HINT, 0.0),  # the caller's plan, offered first (no search time)
@@ -96,6 +112,7 @@ TIME_TABLE: tuple[tuple[Move, float | None], ...] = (  # (move, weight), in the 
     (moves.SEGMENTS, 0.35),  # budgeted training: replan segments, copied to repeated blocks
     (moves.CHAIN_MOVE, 0.15),  # 3+ repeated blocks: per-block options combined along the chain
     (moves.REORDER_LOWEST, 0.1),  # nothing fits, offloads: reorder around the lowest plan's copies
+    (JOINT_FLOOR, 0.3),  # nothing fits yet, small training graphs: the joint bound (may prove the budget out of reach)
     (AIM_LOWER, REST),  # nothing fits yet: the portfolio again at reachable budgets, down from the lowest peak
     (moves.FUSION, 0.05),  # fusion options the search left unformed
     (moves.CERTIFY, 0.10),  # the bound and status of the plan returned
@@ -182,7 +199,7 @@ def _turn(ctx: Context, inc: Incumbent, move: Move, weight: float | None, end: f
     clock is kept in `yields`, 0 for a gain under MIN_ROUND_GAIN (a turn that gains less is not worth another:
     32 Llama-7B layers at 60%, the segment search's 0.03% took a second turn of 1.5 s, and certification, left
     0.4 s, could not prove the 0.8% gap it proves in 2 s)."""
-    if not move.wanted(inc):
+    if not move.wanted(inc) or ctx.budget is not None and ctx.budget < ctx.lower:  # proven out of reach: stop
         return
     left = max(0.0, end - clock.now())
     slice_s = left if weight is REST else left * weight / weights if weights > 0 else 0.0
@@ -248,6 +265,7 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
             line.close()
             used = clock.now() - t0
             # below the proven bound no plan fits, however long the search: not a matter of time
+            lower = ctx.lower  # the joint family's, when it ran
             timed_out = (ctx.cut or used >= TIME_LIMIT_USED * time_limit_s) and (budget or 0) >= lower
             error = PlanningTimeLimitError if timed_out else BudgetInfeasibleError
             low = inc.lowest
@@ -261,4 +279,4 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
         line.close()
         raise
     # with fusion groups formed the op-operand bound may not hold (a group hides its internal values)
-    return Solution(best.schedule, best.sim, best.stats, baseline, budget, min(lower, best.sim.peak_bytes))
+    return Solution(best.schedule, best.sim, best.stats, baseline, budget, min(ctx.lower, best.sim.peak_bytes))

@@ -8,6 +8,7 @@ are in starts.py, segments.py, offload.py, chain.py, fusion_options.py and certi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -47,6 +48,7 @@ class Context:
     hint: Schedule | None = None
     lower: int = 0  # a lower bound on every plan's peak
     cut: bool = False  # a move was ended by its deadline while it still improved the plan
+    end: float = math.inf  # the whole search's deadline (clock.now()): what a move with no slice of its own may take
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -25,6 +25,9 @@ Lowest feasible (``lowest_feasible``), plans only (no step run) until the end:
      a user lowering a budget would); a probe that fits lowers the best to its predicted
      peak, one that does not raises the floor (and its L, if lower than the best, is tried next);
   4. stop after ``--probes`` probes (default 4) or when best - max(floor, bound) < 1% of eager;
+  (before 2-4, unless a budget was refused already: one probe a byte under the proven bound, which optimize()
+  refuses before any search, reporting its strongest bound, the joint family's: no search takes it where little
+  time is left, so without this probe the case's bound would depend on the search's time);
   5. then each lowest feasible peak another run (label) of the JSON recorded for the case, when below the best
      found: a budget of exactly that (does this code reach what the other did? the bisection's path may miss
      a plan: OPT at bench size fits 13.55 MiB with a 13.43 MiB plan but not 13.80);
@@ -265,6 +268,13 @@ def lowest_feasible(step, eager: dict, eager_grads: dict, offload: bool, known: 
         gc.collect()
         return row
 
+    if bound and not any(r.get("infeasible") and not r.get("searched", True) for r in known):
+        # a budget under the bound is refused before any search, with the library's strongest bound (the joint
+        # family's, which a search takes only when time is left): the case's proven bound, and a hint where to start
+        row = probe(bound - 1, "under the proven bound")
+        if row.get("infeasible"):
+            floor = max(floor, bound - 1)
+            bound = max(bound, row.get("lower_bound_bytes") or 0)
     for _ in range(probes):
         lo = max(floor, bound)
         top = best_peak if best_peak is not None else eager_peak

@@ -172,13 +172,13 @@ class _Master:
             written = {i for op in p.bw_ops for _o, i in op.reuse}
             m.Add(self.peak >= self.units(base) + sum(self.units(b.size[w]) * saved[w] for w in self.values
                                                       if w not in held and w not in written))
-        # a value `_forward` counts at every op after its producer (the backward reads its one copy) is not a term;
-        # one only recomputations read (a dropout's output under a recomputed add) is, kept when they run
-        counted = {w for w in self.values if self.bw_readers[w] and b._pinned(w)}
+        # a value `_forward` counts at every op after its producer is not a term; one only recomputations read (a
+        # dropout's output under a recomputed add) is, kept when they run
+        kept = [w for w in self.values if not b.live_across_forward(w)]
         for f in p.fw_ops:
             anc, desc, own = b.anc[f.id], b.desc[f.id], set(f.inputs) | set(f.outputs)
-            terms = [self.units(b.size[w]) * saved[w] for w in self.values
-                     if w not in own and w not in b.visible and w not in counted
+            terms = [self.units(b.size[w]) * saved[w] for w in kept
+                     if w not in own
                      and anc >> p.tensors[w].producer & 1
                      and not any(desc >> q & 1 for q in b.readers[w] if p.ops[q].phase is Phase.FW)]
             if terms:

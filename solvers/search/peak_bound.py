@@ -99,9 +99,9 @@ CHAIN_DEPTH = 3  # how far back recomputations' inputs are followed (beyond: no 
 def step_bound(problem: Problem, joint: bool = False) -> int:
     """The largest of the families of bounds above (0 for an empty problem), its work counted on the solvers'
     clock (deterministic mode) wherever it is computed: every caller's wait includes it. `joint`: with the joint
-    family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve, inside its time limit,
-    at tight budgets (`strategy.JOINT_NEAR`), not by the checks before it (floors, budgets, held outputs), whose time
-    no limit holds. Kept on the problem: the
+    family too (`joint_bound.py`, up to a second at a few hundred ops): asked for by the solve for a budget it refuses
+    (`strategy.peak_bound_for`, the floors too) and by its search when nothing fits (`strategy.JOINT_FLOOR`), not by
+    the other checks before it (budgets, held outputs), whose time no limit holds. Kept on the problem: the
     same problem's bound is asked for again (the budget's resolution, held outputs, the solve) and costs nothing
     then. Kept per structure too (`_SAME_SHAPE`): a problem like one bounded before but for its op times takes
     that bound without the work, charged as if done (as an op time found in the op-time file is: the search's
@@ -267,6 +267,12 @@ class _Bound:
         prod = self.p.tensors[t].producer
         return self.fw_made[t] and not self.recomputable[prod] and not self.offloadable[t]
 
+    def live_across_forward(self, t: int) -> bool:
+        """A forward value live from its producer through the forward's end in every plan: held by the caller (on the
+        device), or read by the backward through its one copy. `_forward` counts these at every op after the producer."""
+        return ((t in self.visible and not self.offloadable[t])
+                or (self._pinned(t) and any(self.p.ops[r].phase is Phase.BW for r in self.readers[t])))
+
     def _operands(self, op, skip: set[int]) -> tuple[int, set[int]]:
         """Bytes of the op's operands not in `skip`, less what storage reuse may save, plus its scratch."""
         ids = set(op.inputs) | set(op.outputs)
@@ -395,8 +401,7 @@ class _Bound:
         always, readers, reader_of = [], [], []
         for i, t in enumerate(cand):
             rs = self.readers[t]
-            always.append((t in self.visible and not self.offloadable[t])
-                          or (self._pinned(t) and any(p.ops[r].phase is Phase.BW for r in rs)))
+            always.append(self.live_across_forward(t))
             fw_rs = [r for r in rs if p.ops[r].phase is Phase.FW]
             readers += fw_rs
             reader_of += [i] * len(fw_rs)

@@ -270,11 +270,11 @@ def _solve(problem: Problem, budget: int | None, time_limit_s: float, workers: i
             line.close()
             used = clock.now() - t0
             # below the proven bound no plan fits, however long the search: not a matter of time
-            lower = ctx.lower  # the joint family's, when it ran
-            timed_out = (ctx.cut or used >= TIME_LIMIT_USED * time_limit_s) and (budget or 0) >= lower
+            # ctx.lower: the joint family's, where the search took it
+            timed_out = (ctx.cut or used >= TIME_LIMIT_USED * time_limit_s) and (budget or 0) >= ctx.lower
             error = PlanningTimeLimitError if timed_out else BudgetInfeasibleError
             low = inc.lowest
-            raise error(budget or 0, low.sim.peak_bytes, lower, low.schedule,
+            raise error(budget or 0, low.sim.peak_bytes, ctx.lower, low.schedule,
                         elapsed_s=time.perf_counter() - wall0, time_limit_s=time_limit_s)
         best = inc.best
         best.stats.wall_s = time.perf_counter() - wall0

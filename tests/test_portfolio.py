@@ -294,6 +294,45 @@ def test_the_swap_search_walks_across_a_flat_peak(monkeypatch):
     assert walked < alone, (walked, alone)
 
 
+def _residual_over_a_projection() -> Problem:
+    """x -> s (not recomputable) -> m = proj(s) -> a = add(m, s) -> heavy -> loss; in the backward the heavy op's
+    (with scratch) runs first, the add's reads a late, the projection's reads s. The add's output is held across the
+    heavy backward unless recomputed; recomputed alone it holds the projection's output there instead (as large):
+    only the two together free it, as the Llama's residual after attention went with its output projection."""
+    fw, bw, act = Phase.FW, Phase.BW, TensorKind.ACTIVATION
+    tensors = [Tensor(0, "x", 64, TensorKind.INPUT), Tensor(1, "s", 1000, act, 0), Tensor(2, "m", 1000, act, 1),
+               Tensor(3, "a", 1000, act, 2), Tensor(4, "h", 2000, act, 3), Tensor(5, "loss", 4, act, 4),
+               Tensor(6, "tangent", 4, TensorKind.TANGENT), Tensor(7, "g_h", 2000, act, 5), Tensor(8, "g_a", 1000, act, 6),
+               Tensor(9, "g_m", 1000, act, 7), Tensor(10, "g_s", 1000, act, 8), Tensor(11, "g_x", 64, act, 9)]
+    ops = [Op(0, "norm", fw, (0,), (1,), 1e-6, recomputable=False), Op(1, "proj", fw, (1,), (2,), 1e-6),
+           Op(2, "add", fw, (2, 1), (3,), 1e-6), Op(3, "heavy", fw, (3,), (4,), 1e-6), Op(4, "loss", fw, (4,), (5,), 1e-6),
+           Op(5, "loss_bw", bw, (6,), (7,), 1e-6), Op(6, "heavy_bw", bw, (7,), (8,), 1e-6, workspace_bytes=3000),
+           Op(7, "add_bw", bw, (8, 3), (9,), 1e-6), Op(8, "proj_bw", bw, (9, 1), (10,), 1e-6),
+           Op(9, "norm_bw", bw, (10,), (11,), 1e-6)]
+    return Problem(ops, tensors, outputs=frozenset({5, 11}), name="residual")
+
+
+def test_the_swap_search_recomputes_an_op_with_the_producer_it_would_hold(monkeypatch):
+    """No single recomputation lowers the peak at the heavy backward (the add's alone holds the projection's output
+    in its place): the add with the projection does, and the search finds it; without those pairs it stops higher."""
+    from optsched.solvers.search import starts
+
+    p = _residual_over_a_projection()
+    unplanned = simulate(p, default_schedule(p)).peak_bytes
+
+    def lowest() -> int:
+        inc = Incumbent(p, unplanned - 1000)
+        inc.offer(default_schedule(p), "unplanned")
+        with clock.deterministic():
+            starts.swap_recomputes(p, inc, clock.now() + 100.0)
+        assert simulate(p, inc.lowest.schedule).peak_bytes == inc.lowest.sim.peak_bytes
+        return inc.lowest.sim.peak_bytes
+
+    assert lowest() == unplanned - 1000
+    monkeypatch.setattr(starts, "_feeding", lambda *a: [])
+    assert lowest() == unplanned
+
+
 def test_when_nothing_fits_the_time_left_goes_to_aiming_lower(monkeypatch):
     """The moves that need a plan that fits (fusion options, certification) reserve time that, when none
     does, goes to the portfolio again at budgets just below the lowest peak found: the lowest peak

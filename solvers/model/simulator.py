@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import NamedTuple
 
 from . import clock
 from .fusion_sim import formed_runs, hidden_bytes, merge_runs, step_workspace
 from .offload_sim import OffloadEvent, replay_offload
-from .problem import TANGENTS, Phase, Problem, Schedule, ScheduleError, TensorKind
+from .problem import Phase, Problem, Schedule, ScheduleError
 
 
 class Lifetime(NamedTuple):
@@ -40,7 +39,6 @@ class SimResult:
     timeline: list[int]  # live bytes at each step
     steps: list[tuple[int, bool]]  # (op id, is recomputation) per step
     n_forward_steps: int
-    lifetimes: list[Lifetime]
     saved: list[int]  # forward storages kept alive into the backward
     reused: dict[int, int]  # step -> input tensor whose storage the step's output takes over
     reads: list[list[tuple[int, bool]]]  # per step: (tensor, recomputed copy?) it reads
@@ -54,6 +52,16 @@ class SimResult:
     host_bytes: int = 0  # host memory taken by offloaded copies
     boundary_bytes: int = 0  # live while the caller computes its loss between forward and backward (0: no such loss)
     formed: tuple[int, ...] = ()  # the schedule's formed fusion options
+
+    @property
+    def lifetimes(self) -> list[Lifetime]:
+        """Every copy on the device, by start then tensor: made when first asked (most plans a search simulates are
+        judged by their peak alone, and making these was a fifth of a simulation)."""
+        made = self.__dict__.get("_lifetimes")
+        if made is None:
+            made = self.__dict__["_lifetimes"] = [Lifetime(*c) for c in sorted(
+                _copies(self.spans, self.offloads), key=lambda c: (c[1], c[0]))]
+        return made
 
 
 def _check_orders(problem: Problem, schedule: Schedule) -> None:
@@ -112,12 +120,12 @@ def _simulated(problem: Problem, schedule: Schedule) -> SimResult:
         offload = replay_offload(problem, steps, n_fw, span, walk.reads, set(saved), schedule.offload,
                                  runs=[(r.start, r.end, problem.fusion_options[r.option].time_s) for r in runs])
         time_s += offload.exposed_s
-    lifetimes = _lifetimes(span, offload)
+    copies = _copies(span, offload.events if offload is not None else None)
     nbytes = hidden_bytes(problem, runs) if runs else None  # None: the tensors' own sizes
     workspace = step_workspace(problem, steps, runs) if runs else None
-    timeline = _timeline(problem, steps, lifetimes, span, nbytes, workspace)
+    timeline = _timeline(problem, steps, copies, span, nbytes, workspace)
     first_reads = walk.reads[n_fw] if len(steps) > n_fw else ()
-    boundary = _caller_boundary(problem, lifetimes, n_fw, len(steps), nbytes, first_reads)
+    boundary = _caller_boundary(problem, copies, n_fw, len(steps), nbytes, first_reads)
     peak = max(timeline + [boundary])
     return SimResult(
         peak_bytes=peak,
@@ -127,7 +135,6 @@ def _simulated(problem: Problem, schedule: Schedule) -> SimResult:
         timeline=timeline,
         steps=steps,
         n_forward_steps=n_fw,
-        lifetimes=sorted(lifetimes, key=attrgetter("start", "tensor")),
         saved=saved,
         recomputed_ops=sorted(walk.recompute_pos),
         reused=reused,
@@ -217,14 +224,12 @@ def _reads_of(problem: Problem) -> list[tuple[tuple[int, int | None], ...]]:
 def _held_from_start(problem: Problem, n_fw: int, last: int) -> dict[tuple[int, bool], list[int]]:
     """Spans of what no step produces: inputs live all program, tangents the whole backward
     (the autograd engine holds the seed)."""
-    span: dict[tuple[int, bool], list[int]] = {}
-    for t in problem.tensors:
-        if t.kind is TensorKind.INPUT:
-            span[(t.id, False)] = [0, last]
-        elif t.kind is TensorKind.TANGENT:
-            span[(t.id, False)] = [n_fw, last]
-        elif t.kind is TensorKind.TANGENT_FREED:  # to its last read (reads extend it)
-            span[(t.id, False)] = [n_fw, min(n_fw, last)]
+    facts = problem.tensor_facts
+    span: dict[tuple[int, bool], list[int]] = {(t, False): [0, last] for t in facts.inputs}
+    for t in facts.tangents:
+        span[(t, False)] = [n_fw, last]
+    for t in facts.freed_tangents:  # to its last read (reads extend it)
+        span[(t, False)] = [n_fw, min(n_fw, last)]
     return span
 
 
@@ -242,41 +247,38 @@ def _hold_caller_values(problem: Problem, span: dict, n_fw: int, last: int) -> N
 def _saved_across_boundary(problem: Problem, span: dict, n_fw: int) -> list[int]:
     """The backward boundary: forward activations (not outputs, not recomputed copies) alive from
     the forward into the backward, i.e. what autograd saves."""
-    return sorted(
-        t
-        for (t, rc), (s, e) in span.items()
-        if not rc
-        and problem.tensors[t].kind is TensorKind.ACTIVATION
-        and s < n_fw <= e
-        and t not in problem.outputs
-    )
+    saveable = problem.tensor_facts.saveable
+    return sorted(t for (t, rc), (s, e) in span.items() if not rc and s < n_fw <= e and t in saveable)
 
 
-def _lifetimes(span: dict, offload) -> list[Lifetime]:
-    """One `Lifetime` per copy; an offloaded tensor's is cut in two: on the device from its
-    producer until dropped, and again from its prefetch."""
-    lifetimes = []
+def _copies(span: dict, offloads: dict[int, OffloadEvent] | None) -> list[tuple[int, int, int, bool, bool]]:
+    """(tensor, start, end, recomputed, prefetched) per copy on the device, `Lifetime`'s fields as a plain tuple (cheaper
+    to make); an offloaded tensor's is cut in two: on the device from its producer until dropped, and again from its
+    prefetch."""
+    if not offloads:
+        return [(t, s, e, rc, False) for (t, rc), (s, e) in span.items()]
+    copies = []
     for (t, rc), (s, e) in span.items():
-        ev = offload.events.get(t) if offload is not None and not rc else None
+        ev = offloads.get(t) if not rc else None
         if ev is None:
-            lifetimes.append(Lifetime(t, s, e, rc))
+            copies.append((t, s, e, rc, False))
         else:
-            lifetimes.append(Lifetime(t, s, ev.release - 1, False))
-            lifetimes.append(Lifetime(t, ev.prefetch, e, False, prefetched=True))
-    return lifetimes
+            copies.append((t, s, ev.release - 1, False, False))
+            copies.append((t, ev.prefetch, e, False, True))
+    return copies
 
 
-def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[Lifetime], span: dict,
+def _timeline(problem: Problem, steps: list[tuple[int, bool]], copies: list[tuple], span: dict,
               nbytes: list[int] | None = None, workspace: list[int] | None = None) -> list[int]:
-    """Live bytes at each step (lifetimes summed by a difference array) plus the step's
+    """Live bytes at each step (the copies, `_copies`, summed by a difference array) plus the step's
     workspace; an empty program still holds its inputs. `nbytes`, `workspace`: per tensor and per
     step, when formed fusion groups change them (fusion_sim.py)."""
-    size = nbytes if nbytes is not None else [t.bytes for t in problem.tensors]
+    size = nbytes if nbytes is not None else problem.tensor_facts.bytes
     delta = [0] * (len(steps) + 2)
-    for lt in lifetimes:
-        if lt.end >= lt.start:
-            delta[lt.start] += size[lt.tensor]
-            delta[lt.end + 1] -= size[lt.tensor]
+    for t, start, end, _rc, _pf in copies:
+        if end >= start:
+            delta[start] += size[t]
+            delta[end + 1] -= size[t]
     timeline, live = [], 0
     ops = problem.ops
     for k, (o, _rc) in enumerate(steps):
@@ -287,22 +289,24 @@ def _timeline(problem: Problem, steps: list[tuple[int, bool]], lifetimes: list[L
     return timeline
 
 
-def _caller_boundary(problem: Problem, lifetimes: list[Lifetime], n_fw: int, n_steps: int,
+def _caller_boundary(problem: Problem, copies: list[tuple], n_fw: int, n_steps: int,
                      nbytes: list[int] | None = None, first_reads: Iterable[tuple[int, bool]] = ()) -> int:
     """Live bytes while the caller computes its loss between our forward and backward: what crosses
     from forward to backward (inputs, saved and held values), the tangents it is making, and its own
     intermediates (`TensorKind.CALLER`). 0 when the caller computes nothing we know of. `first_reads`:
     what the backward's first step reads; a forward value it writes its output into (`_apply_reuse`)
     crosses too, though its own lifetime ends the step before (the output's starts at that step)."""
-    caller = sum(t.bytes for t in problem.tensors if t.kind is TensorKind.CALLER)
+    facts = problem.tensor_facts
+    caller = facts.caller_bytes
     if not caller or n_steps <= n_fw:
         return 0
     taken = set(first_reads)
+    size = facts.bytes if nbytes is None else nbytes
     live = sum(
-        problem.tensors[lt.tensor].bytes if nbytes is None else nbytes[lt.tensor]
-        for lt in lifetimes
-        if lt.start < n_fw <= lt.end or (lt.start == n_fw and problem.tensors[lt.tensor].kind in TANGENTS)
-        or (lt.start < n_fw and lt.end == n_fw - 1 and (lt.tensor, lt.recomputed) in taken)
+        size[t]
+        for t, start, end, rc, _pf in copies
+        if start < n_fw <= end or (start == n_fw and t in facts.tangent_set)
+        or (start < n_fw and end == n_fw - 1 and (t, rc) in taken)
     )
     return live + caller
 
@@ -328,6 +332,7 @@ def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, spa
     """
     reused: dict[int, int] = {}
     recomputed_before: set[int] = set()
+    reusable = problem.tensor_facts.reusable
     for k, (o, is_rc) in enumerate(steps):
         op = problem.ops[o]
         dying = []
@@ -335,7 +340,7 @@ def _apply_reuse(problem: Problem, steps: list[tuple[int, bool]], n_fw: int, spa
             t = problem.tensors[inp]
             key = (inp, k >= n_fw and t.producer in recomputed_before)
             s, e = span[key]
-            if t.kind is TensorKind.ACTIVATION and inp not in problem.visible and e == k and s < k:
+            if inp in reusable and e == k and s < k:
                 dying.append((inp, key))
                 if not op.reuse_all:
                     break

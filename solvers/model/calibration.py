@@ -31,7 +31,7 @@ UNITS: dict[str, Unit] = {
     "joint_arc": Unit(1.45e-06, "an arc of the joint bound's checks (a backward op's minimum cut with the recomputed set fixed)"),
     "joint_constraint": Unit(3.13e-05, "a constraint of the joint bound's model, built and loaded for one of its solves"),
     "cpsat_constraint": Unit(7.68e-05, "a constraint of a CP-SAT model solved: loading and presolve, left out of dtime"),
-    "simulated_step": Unit(5.7e-06, "a step (an op run or a tensor's copy) the simulator replays"),
+    "simulated_step": Unit(6.1e-06, "a step (an op run or a tensor's copy) the simulator replays"),
     "bound_op": Unit(9.9e-05, "an op of a problem the peak bound covers"),
     "bound_scan": Unit(0.0, "a tensor the bound's per-op passes look at"),
     "bound_edge": Unit(0.0, "an edge of the bound's min-cut networks"),
@@ -93,11 +93,10 @@ UNITS: dict[str, Unit] = {
 # graph_node_stamped: the 80-layer stamp (16546 nodes, and the 5-block check's 1266) took 1.9-2.7 s beside its traces
 # here, timed alone (the benchmark's captures are stamped since).
 # simulated_step: fitted at 8.88e-6; then the simulator was made faster (the tensors' facts made once per problem, the
-# lifetimes made only when asked): 2.5-3.0 us a step against 4.8-10 (old and new each best of 2 x 5 x 20 simulations,
-# interleaved on one machine, 11 saved plans of 133 to 469 steps: new/old 0.27-0.58). The unit prices what a
-# simulation's caller does around it too: in the swap search, the move that simulates the most, the simulator took 86%
-# of the wall time (profiled, Llama). So 8.88e-6 x (0.14 + 0.86 x 0.58, the slowest problem's ratio) = 5.7e-6; the
-# Llama's swap search at 14.5 MiB since took 1.16 s for 0.99 counted on this machine (CPU probe 0.22-0.31 s).
+# lifetimes made only when asked): new/old 0.36-0.64 a simulation, median 0.55 (both versions in one process, timed
+# alternately, best of 15 x 10 simulations, 11 saved plans of 133 to 469 steps, identical results). The unit prices what
+# a simulation's caller does around it too: in the swap search, the move that simulates the most, the simulator took
+# 86% of the wall time (profiled, Llama). So 8.88e-6 x (0.14 + 0.86 x 0.64, the slowest problem's ratio) = 6.1e-6.
 FITTED_AT = {"commit": "3ff81d7 + CP-SAT's time priced per kind of model",
              "runs": 20, "how": "least squares with priors (pull 0.05), planning-time benchmark, idle 2-core AMD EPYC, "
                                 "2026-11-28"}

@@ -210,6 +210,22 @@ def test_simulate_default_schedule_by_hand():
     assert sim.n_forward_steps == 3
 
 
+def test_the_simulators_facts_follow_the_problem_they_are_of():
+    """The simulator keeps per-problem facts (sizes, kinds, what autograd saves): a problem made from one simulated
+    before, its tensors list shared, with a saved value held by the caller, holds it to the end and no longer saves
+    it; the first problem's answers stay as they were."""
+    p = tiny_training_problem()
+    before = simulate(p, default_schedule(p))
+    held = p.holding({2})
+    assert held.tensors is p.tensors
+    sim = simulate(held, default_schedule(held))
+    assert sim.saved == [3] and sim.spans[(2, False)][1] == len(sim.steps) - 1
+    assert sim.timeline[-1] == before.timeline[-1] + p.tensors[2].bytes  # h held at the last step too
+    again = simulate(p, default_schedule(p))
+    assert (again.saved, again.timeline) == (before.saved, before.timeline) == ([2, 3], before.timeline)
+    assert [lt.tensor for lt in again.lifetimes] == [lt.tensor for lt in before.lifetimes]
+
+
 def test_simulate_recomputation_by_hand():
     p = tiny_training_problem()
     sim = simulate(p, Schedule([0, 1, 2], [1, 3, 4, 5]))
